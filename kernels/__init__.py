@@ -1,0 +1,29 @@
+"""Triton kernels for the Llama forward pass, installed as ``tinyserve.kernels``.
+
+Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on the CPU through
+Triton's interpreter (``tinyserve.engine.backend.select_device`` does it for you). Launchers
+choose block sizes from ``utils.INTERPRET``; the kernel source is the same on GPU and CPU.
+"""
+
+from tinyserve.kernels.activation import silu_and_mul
+from tinyserve.kernels.attention_decode import token_attention_paged
+from tinyserve.kernels.attention_prefill import context_attention_paged
+from tinyserve.kernels.embedding import gather_rows
+from tinyserve.kernels.kv_cache import write_kv_cache
+from tinyserve.kernels.matmul import int8_matmul, matmul
+from tinyserve.kernels.rmsnorm import add_rmsnorm
+from tinyserve.kernels.rotary import apply_rotary
+from tinyserve.kernels.sampling import sample
+
+__all__ = [
+    "add_rmsnorm",
+    "apply_rotary",
+    "context_attention_paged",
+    "gather_rows",
+    "int8_matmul",
+    "matmul",
+    "sample",
+    "silu_and_mul",
+    "token_attention_paged",
+    "write_kv_cache",
+]

@@ -1,0 +1,108 @@
+"""Shared pieces of the paged attention kernels (prefill and decode).
+
+Tile layout. A program owns ``HEADS_PER_PROG`` KV heads of one sequence. Its query tile has
+ROWS rows and COLS = HEADS_PER_PROG * BLOCK_D columns:
+
+    row r = (token, kv head j, query head g within j's group)      r = (tok * HPP + j) * BLOCK_G + g
+    col c = (kv head j', dim d)                                      c = j' * BLOCK_D + d
+
+A query row holds its vector only in its own KV head's column block (zeros elsewhere), so one
+``tl.dot`` against a key tile [BLOCK_N, COLS] scores every head at once and nothing crosses
+heads. On a GPU HEADS_PER_PROG is 1 (no waste, grid over KV heads); the interpreter uses all KV
+heads per program because its cost is programs x ops, not FLOPs. GQA comes for free: the G
+query heads of a group share the key tile. BLOCK_D >= 16 because ``tl.dot`` needs K >= 16 on a
+GPU (stories260k has head_dim 8); padded columns are masked to zero.
+
+KV is paged: key n of a sequence lives in block ``block_table[n // BLOCK_SIZE]`` at offset
+``n % BLOCK_SIZE`` of the cache [num_blocks, BLOCK_SIZE, Hk, Dh].
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_layout(pid_h, num_kv_heads, head_dim, stride_kh,
+                GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_r = tl.arange(0, ROWS)
+    r_tok = offs_r // (HEADS_PER_PROG * BLOCK_G)
+    r_j = (offs_r // BLOCK_G) % HEADS_PER_PROG
+    r_g = offs_r % BLOCK_G
+    r_kvh = pid_h * HEADS_PER_PROG + r_j
+    q_head = (r_kvh * GROUP + r_g).to(tl.int64)
+    row_ok = (r_g < GROUP) & (r_kvh < num_kv_heads)
+    offs_c = tl.arange(0, HEADS_PER_PROG * BLOCK_D)
+    c_j = offs_c // BLOCK_D
+    c_d = (offs_c % BLOCK_D).to(tl.int64)
+    c_kvh = pid_h * HEADS_PER_PROG + c_j
+    col_ok = (c_d < head_dim) & (c_kvh < num_kv_heads)
+    kv_col_off = c_kvh.to(tl.int64) * stride_kh + c_d
+    same_head = r_j[:, None] == c_j[None, :]
+    return r_tok.to(tl.int64), q_head, row_ok, c_d, kv_col_off, col_ok, same_head
+
+
+@triton.jit
+def attend_paged(q, q_pos, m_i, l_i, acc,
+                 k_cache_ptr, v_cache_ptr, block_table_ptr, kv_col_off, col_ok,
+                 lo, hi, stride_kb, stride_ks, sm_scale_log2,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online-softmax attention of q [ROWS, COLS] over keys [lo, hi), causal on q_pos [ROWS].
+
+    Scores are in the log2 domain (sm_scale_log2 = scale * log2(e)) so exp2 can be used. Tiles
+    start at ``lo`` in fixed BLOCK_N steps, so a row's result does not depend on which other rows
+    share its program (chunked prefill and batching give the same numbers). A row needs one valid
+    key in the first tile (true for causal rows, since q_pos >= lo); later fully masked tiles are
+    exact no-ops (alpha = 1, p = 0).
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
+        n_ok = offs_n < hi
+        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
+        kv_off = slot_off[:, None] + kv_col_off[None, :]
+        kv_mask = n_ok[:, None] & col_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        keep = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+LOG2E = 1.4426950408889634
+
+
+class HeadParams:
+    """Launcher-side view of the head layout shared by both attention kernels."""
+
+    def __init__(self, q, k_cache, v_cache, block_tables, sm_scale: float | None):
+        from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+
+        check(q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, head_dim] with unit last stride")
+        check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+              and k_cache.stride() == v_cache.stride(),
+              "k_cache and v_cache must be [num_blocks, block_size, Hk, head_dim], same layout")
+        check(k_cache.stride(3) == 1, "caches need unit stride along head_dim")
+        check(k_cache.dtype == v_cache.dtype == q.dtype, "q and the caches must share a dtype")
+        check(block_tables.dim() == 2, "block_tables must be [B, max_blocks]")
+        _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
+        self.num_heads = q.shape[1]
+        check(q.shape[2] == self.head_dim, "q head_dim differs from the cache's")
+        check(self.num_heads % self.num_kv_heads == 0,
+              f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
+        check(self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
+        self.group = self.num_heads // self.num_kv_heads
+        self.block_g = next_pow2(self.group)
+        self.block_d = max(16, next_pow2(self.head_dim))
+        self.heads_per_prog = next_pow2(self.num_kv_heads) if INTERPRET else 1
+        scale = sm_scale if sm_scale is not None else self.head_dim ** -0.5
+        self.sm_scale_log2 = scale * LOG2E
+        self.kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        self.kv_grid = -(-self.num_kv_heads // self.heads_per_prog)

@@ -1,0 +1,146 @@
+"""Paged attention for decode ("token" attention): one query token per sequence, split-KV.
+
+Stage 1 splits each sequence's keys into chunks of ``split_size`` and attends to each chunk in
+its own program (so a long context still fills the GPU at small batch):
+
+    o_s   = softmax(q . K_s) @ V_s          lse_s = log2 sum exp2(scores_s)
+
+Stage 2 merges the splits:  out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),  m = max lse.
+With a single split stage 1 writes ``out`` directly. ``split_size`` is fixed per process, so the
+split of a sequence depends on its own length only (batch invariant).
+Layouts: q, out [B, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables
+[B, max_blocks] int32; seq_lens [B] (including the query token, already in the cache).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
+from tinyserve.kernels.utils import INTERPRET, check, dot_precision, next_pow2
+
+
+@triton.jit
+def _token_attention_paged_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, b_seq_len_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    sm_scale_log2, num_kv_heads, head_dim, split_size,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(b_seq_len_ptr + b).to(tl.int64)
+    lo = split * split_size
+    if lo < seq_len:
+        COLS: tl.constexpr = HEADS_PER_PROG * BLOCK_D
+        r_tok, q_head, row_ok, c_d, kv_col_off, col_ok, same_head = tile_layout(
+            pid_h, num_kv_heads, head_dim, stride_kh,
+            GROUP, BLOCK_G, HEADS_PER_PROG, ROWS, BLOCK_D)
+        row_ok = row_ok & (r_tok == 0)  # rows past one token only pad the tile to 16 for tl.dot
+        tile_mask = row_ok[:, None] & col_ok[None, :] & same_head
+        q = tl.load(q_ptr + b * stride_qb + q_head[:, None] * stride_qh + c_d[None, :],
+                    mask=tile_mask, other=0.0)
+        q_pos = tl.zeros([ROWS], dtype=tl.int64) + (seq_len - 1)
+
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+        hi = tl.minimum(seq_len, lo + split_size)
+        m_i, l_i, acc = attend_paged(
+            q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr,
+            block_tables_ptr + b * stride_btb, kv_col_off, col_ok,
+            lo, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, BLOCK_SIZE, DOT_PREC)
+        acc = acc / l_i[:, None]
+        if SINGLE_SPLIT:
+            tl.store(out_ptr + b * stride_ob + q_head[:, None] * stride_oh + c_d[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        else:
+            tl.store(part_out_ptr + b * stride_pb + q_head[:, None] * stride_ph
+                     + split * stride_ps + c_d[None, :], acc, mask=tile_mask)
+            tl.store(part_lse_ptr + b * stride_lb + q_head * stride_lh + split,
+                     m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, b_seq_len_ptr,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    num_heads, head_dim, split_size,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    seq_len = tl.load(b_seq_len_ptr + b)
+    num_splits = tl.cdiv(seq_len, split_size)
+    h_ok = offs_h < num_heads
+    s_ok = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :],
+                  mask=h_ok[:, None] & s_ok[None, :], other=float("-inf"))
+    lse = tl.where(h_ok[:, None], lse, 0.0)  # keep padded heads finite
+    w = tl.exp2(lse - tl.max(lse, axis=1)[:, None])  # [BLOCK_H, BLOCK_S]
+    mask3 = h_ok[:, None, None] & s_ok[None, :, None] & (offs_d < head_dim)[None, None, :]
+    o = tl.load(part_out_ptr + b * stride_pb + offs_h[:, None, None] * stride_ph
+                + offs_s[None, :, None] * stride_ps + offs_d[None, None, :], mask=mask3, other=0.0)
+    merged = tl.sum(o * w[:, :, None], axis=1) / tl.sum(w, axis=1)[:, None]
+    tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+             merged.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (offs_d < head_dim)[None, :])
+
+
+def default_split_size() -> int:
+    # Interpreter: splitting only adds programs. GPU: 512-token splits keep B * Hk * splits
+    # programs in flight for long contexts without a reduce that dominates short ones.
+    return 4096 if INTERPRET else 512
+
+
+def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                          sm_scale: float | None = None, out: torch.Tensor | None = None,
+                          split_size: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """q: [B, Hq, Dh] -> out: [B, Hq, Dh]. ``max_seq_len`` (host int) sizes the split grid."""
+    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale)
+    B = q.shape[0]
+    check(seq_lens.shape == (B,) and block_tables.shape[0] == B, "seq_lens/block_tables must be [B]")
+    if out is None:
+        out = torch.empty_like(q)
+    check(out.shape == q.shape and out.stride(2) == 1, "out must match q")
+    if B == 0:
+        return out
+    block_n = block_n or (256 if INTERPRET else 64)
+    split_size = split_size or default_split_size()
+    check(split_size % block_n == 0, "split_size must be a multiple of block_n")
+    num_splits = triton.cdiv(max_seq_len, split_size)
+    single = num_splits == 1
+    if single:  # stage 1 writes `out`; the partial buffers are never touched
+        part_out = part_lse = out
+        p_strides, l_strides = (0, 0, 0), (0, 0)
+    else:
+        part_out = torch.empty((B, hp.num_heads, num_splits, hp.head_dim),
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, hp.num_heads, num_splits), dtype=torch.float32, device=q.device)
+        p_strides, l_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    rows = max(16, hp.heads_per_prog * hp.block_g)
+    _token_attention_paged_kernel[(B, hp.kv_grid, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
+        block_tables.stride(0), *p_strides, *l_strides,
+        hp.sm_scale_log2, hp.num_kv_heads, hp.head_dim, split_size,
+        GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog, ROWS=rows,
+        BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, SINGLE_SPLIT=single,
+        DOT_PREC=dot_precision(q.dtype), num_warps=4)
+    if not single:
+        block_h = next_pow2(hp.num_heads) if INTERPRET else 1
+        _merge_splits_kernel[(B, triton.cdiv(hp.num_heads, block_h))](
+            part_out, part_lse, out, seq_lens, *p_strides, *l_strides,
+            out.stride(0), out.stride(1), hp.num_heads, hp.head_dim, split_size,
+            BLOCK_H=block_h, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(hp.head_dim))
+    return out

@@ -1,0 +1,58 @@
+"""KV-cache write through a slot mapping.
+
+    k_cache.view(-1, Hk * Dh)[slot[t]] = k[t]      (and the same for v)
+
+A slot is ``block_id * block_size + offset_in_block``; slot -1 means "do not write" (padding).
+Layouts: k, v [T, Hk, Dh] with (Hk, Dh) contiguous per token (strided views of the fused qkv
+projection are fine); k_cache, v_cache [num_blocks, block_size, Hk, Dh] contiguous; slots [T].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_vt,
+    T, HD, num_slots,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_HD + tl.arange(0, BLOCK_HD).to(tl.int64)
+    mask_t = offs_t < T
+    slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+    valid = mask_t & (slot >= 0) & (slot < num_slots)
+    mask = valid[:, None] & (offs_c < HD)[None, :]
+    dst = slot[:, None] * HD + offs_c[None, :]
+    k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_c[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_c[None, :], mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v: [T, Hk, Dh]; k_cache, v_cache: [num_blocks, block_size, Hk, Dh]; slots: [T]."""
+    check(k.dim() == 3 and k.shape == v.shape, "k and v must be [T, Hk, Dh] of equal shape")
+    T, Hk, Dh = k.shape
+    for name, t in (("k", k), ("v", v)):
+        check(t.stride(2) == 1 and t.stride(1) == Dh, f"{name} needs (Hk, Dh) contiguous per token")
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, Dh),
+          f"caches must be [num_blocks, block_size, {Hk}, {Dh}]")
+    check(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
+    check(slots.shape == (T,), "slots must be [T]")
+    if T == 0:
+        return
+    hd = Hk * Dh
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    block_t = min(64, next_pow2(T)) if INTERPRET else 1
+    block_hd = min(next_pow2(hd), 8192 if INTERPRET else 1024)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(hd, block_hd))
+    _write_kv_kernel[grid](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0),
+                           T, hd, num_slots, BLOCK_T=block_t, BLOCK_HD=block_hd)

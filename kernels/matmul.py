@@ -1,0 +1,107 @@
+"""Linear layers: ``out = a @ w.T`` with w in the Hugging Face [out_features, in_features] layout.
+
+Two weight formats share one kernel:
+- float (fp32/fp16/bf16): a plain tiled matmul with an fp32 accumulator;
+- int8 weight-only: w_q int8 [N, K] with per-output-channel scales [N] (symmetric,
+  w ~= w_q * scale[:, None]). Each weight tile is converted to the activation dtype in
+  registers and the scale is applied once to the accumulator, since it factors out of the
+  K-sum:  out[m, n] = scale[n] * sum_k a[m, k] * w_q[n, k].  The fp weight never exists in
+  memory, so decode (memory-bound on weight bytes) reads half (vs fp16) or a quarter (vs fp32).
+
+Cost: 2*M*N*K FLOPs; bytes ~ M*K*a + N*K*w (+ 4N scales) + M*N*out.
+Tile sizes depend on (N, K) only, never on M: a row's result is the same whatever the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels.utils import INTERPRET, check, dot_precision, next_pow2
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, w_ptr, scale_ptr, out_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on,
+    W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Grouped program order: GROUP_M row-tiles sweep the same weight columns while they are in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0)
+        if W_INT8:
+            w = w.to(a.dtype)  # exact: |w_q| <= 127
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if W_INT8:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _tiles(N: int, K: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    if INTERPRET:  # few, large programs: cost is ~ programs x ops, not FLOPs
+        return 64, min(512, max(16, next_pow2(N))), min(256, max(16, next_pow2(K))), 1
+    if dtype == torch.float32:
+        return 64, 64, 32, 8
+    return 64, 128, 64, 8
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    check(a.dim() == 2 and w.dim() == 2, "a must be [M, K] and w [N, K]")
+    M, K = a.shape
+    N = w.shape[0]
+    check(w.shape[1] == K, f"inner sizes differ: a is [{M}, {K}], w is {list(w.shape)}")
+    check(a.device == w.device, "a and w must be on the same device")
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    check(out.shape == (M, N), f"out must be [{M}, {N}]")
+    if M == 0:
+        return out
+    bm, bn, bk, group_m = _tiles(N, K, a.dtype)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _matmul_kernel[grid](
+        a, w, scale if scale is not None else w, out, M, N, K,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        W_INT8=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        DOT_PREC=dot_precision(a.dtype), num_warps=4, num_stages=3)
+    return out
+
+
+def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a: [M, K], w: [N, K] (same float dtype) -> out: [M, N] = a @ w.T."""
+    check(a.dtype == w.dtype and a.dtype.is_floating_point, "a and w must share a float dtype")
+    return _launch(a, w, None, out)
+
+
+def int8_matmul(a: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """a: [M, K] float, w_q: [N, K] int8, scale: [N] fp32 -> out: [M, N] = a @ (w_q * scale).T."""
+    check(w_q.dtype == torch.int8, f"w_q must be int8, got {w_q.dtype}")
+    check(a.dtype.is_floating_point, "a must be a float tensor")
+    check(scale.shape == (w_q.shape[0],), "scale must be [N] (one per output channel)")
+    return _launch(a, w_q, scale, out)

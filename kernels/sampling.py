@@ -1,0 +1,218 @@
+"""Token sampling on the GPU: greedy, temperature, top-k, top-p, per-row seeds, logprobs.
+
+Per row r of logits x [B, V] (fp32):
+
+    lse      = log sum exp(x)                       (raw log-probs: x - lse, as OpenAI/vLLM report)
+    greedy   : token = argmax x                     (temperature == 0; first index on ties)
+    sampled  : z = x / T;  keep z >= k-th largest z (top_k > 0);
+               e = exp(z - max z) over kept;  keep e >= u* where u* is the smallest cut with
+               sum(e > u*) < top_p * sum(e)          (HF/vLLM top-p: drop the tail whose
+                                                      complement already holds top_p)
+               token = argmax_kept (z - log(-log(U))),  U ~ Philox(seed_r, v)   (Gumbel-max:
+               an exact draw from softmax(z) renormalised over the kept set)
+
+Thresholds are found without sorting (a vocabulary of 128K does not fit one block): a binary
+search over the order-preserving int32 image of the floats, counting (top-k) or summing
+(top-p) over the vocabulary in chunks per probe. 32 probes give the exact k-th value.
+``top_logprobs`` picks the N best by repeated chunked argmax under the order (value desc,
+index asc), which needs no sort either.
+Layouts: logits [B, V] fp32 (unit column stride); temperature, top_p [B] fp32; top_k [B] int32;
+seeds [B] int64; out tokens [B] int64, token_logprobs [B] fp32, top ids/logprobs [B, N].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+FP32_ONE_BITS = 0x3F800000
+
+
+@triton.jit
+def _ordered_key(x):
+    """float32 -> int32 with the same order (for non-NaN): flip magnitude bits of negatives."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _scaled(row_ptrs, offs_v, start, V, inv_t):
+    mask = (start + offs_v) < V
+    x = tl.load(row_ptrs + start, mask=mask[None, :], other=float("-inf"))
+    return x * inv_t[:, None], mask
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, token_ptr, logprob_ptr,
+    stride_lb, B, V,
+    APPLY_TOP_K: tl.constexpr, APPLY_TOP_P: tl.constexpr, ALL_GREEDY: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = offs_b < B
+    offs_v = tl.arange(0, BLOCK_V)
+    rows = tl.where(b_ok, offs_b, 0)  # padded rows read row 0 and store nothing
+    row_ptrs = logits_ptr + rows[:, None] * stride_lb + offs_v[None, :]
+
+    # Pass 1: logsumexp and greedy argmax of the raw logits.
+    m = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_B], tl.float32)
+    best = tl.zeros([BLOCK_B], tl.int64)
+    for start in range(0, V, BLOCK_V):
+        mask = (start + offs_v) < V
+        x = tl.load(row_ptrs + start, mask=mask[None, :], other=float("-inf"))
+        cmax, cidx = tl.max(x, axis=1, return_indices=True)
+        best = tl.where(cmax > m, cidx.to(tl.int64) + start, best)
+        m_new = tl.maximum(m, cmax)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+    lse = m + tl.log(s)
+    token = best
+
+    if not ALL_GREEDY:
+        temp = tl.load(temp_ptr + offs_b, mask=b_ok, other=0.0)
+        inv_t = 1.0 / tl.where(temp > 0.0, temp, 1.0)
+        z_max = m * inv_t
+
+        # top-k: the k-th largest ordered key, by bisection on [INT32_MIN, INT32_MAX].
+        k_cut = tl.full([BLOCK_B], -2147483648, tl.int64)
+        if APPLY_TOP_K:
+            k = tl.load(top_k_ptr + offs_b, mask=b_ok, other=0).to(tl.int64)
+            k = tl.where((k <= 0) | (k > V), V, k)
+            lo = tl.full([BLOCK_B], -2147483648, tl.int64)
+            hi = tl.full([BLOCK_B], 2147483647, tl.int64)
+            for _ in range(32):
+                mid = lo + (hi - lo + 1) // 2
+                cnt = tl.zeros([BLOCK_B], tl.int64)
+                for start in range(0, V, BLOCK_V):
+                    z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+                    ge = (_ordered_key(z).to(tl.int64) >= mid[:, None]) & mask[None, :]
+                    cnt += tl.sum(ge.to(tl.int64), axis=1)
+                lo = tl.where(cnt >= k, mid, lo)
+                hi = tl.where(cnt >= k, hi, mid - 1)
+            k_cut = lo
+
+        # top-p: the smallest cut u on e = exp(z - z_max) (positive floats: int bits ordered).
+        p_cut = tl.zeros([BLOCK_B], tl.int64)
+        if APPLY_TOP_P:
+            top_p = tl.load(top_p_ptr + offs_b, mask=b_ok, other=1.0)
+            total = tl.zeros([BLOCK_B], tl.float32)
+            for start in range(0, V, BLOCK_V):
+                z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+                kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) & mask[None, :]
+                total += tl.sum(tl.where(kept, tl.exp(z - z_max[:, None]), 0.0), axis=1)
+            goal = top_p * total
+            lo = tl.zeros([BLOCK_B], tl.int64)
+            hi = tl.full([BLOCK_B], 0x3F800000, tl.int64)
+            for _ in range(31):
+                mid = (lo + hi) // 2
+                above = tl.zeros([BLOCK_B], tl.float32)
+                for start in range(0, V, BLOCK_V):
+                    z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+                    e = tl.exp(z - z_max[:, None])
+                    kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) & mask[None, :]
+                    gt = kept & (e.to(tl.int32, bitcast=True).to(tl.int64) > mid[:, None])
+                    above += tl.sum(tl.where(gt, e, 0.0), axis=1)
+                hi = tl.where(above < goal, mid, hi)
+                lo = tl.where(above < goal, lo, mid + 1)
+            p_cut = tl.where(top_p < 1.0, lo, 0)
+
+        # Gumbel-max draw over the kept set.
+        seed = tl.load(seed_ptr + offs_b, mask=b_ok, other=0)
+        g_best = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        g_idx = tl.zeros([BLOCK_B], tl.int64)
+        for start in range(0, V, BLOCK_V):
+            z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+            e = tl.exp(z - z_max[:, None])
+            kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) \
+                & (e.to(tl.int32, bitcast=True).to(tl.int64) >= p_cut[:, None]) & mask[None, :]
+            u = tl.rand(seed[:, None], (start + offs_v)[None, :])
+            score = tl.where(kept, z - tl.log(-tl.log(u)), float("-inf"))
+            cmax, cidx = tl.max(score, axis=1, return_indices=True)
+            g_idx = tl.where(cmax > g_best, cidx.to(tl.int64) + start, g_idx)
+            g_best = tl.maximum(g_best, cmax)
+        token = tl.where(temp > 0.0, g_idx, best)
+
+    x_tok = tl.load(logits_ptr + offs_b * stride_lb + token, mask=b_ok, other=0.0)
+    tl.store(token_ptr + offs_b, token, mask=b_ok)
+    tl.store(logprob_ptr + offs_b, x_tok - lse, mask=b_ok)
+
+
+@triton.jit
+def _top_logprobs_kernel(
+    logits_ptr, logprob_ptr, top_ids_ptr, top_lp_ptr, token_ptr,
+    stride_lb, stride_tb, B, V, N,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """N rounds of argmax, each below the previous pick in (value desc, index asc) order."""
+    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = offs_b < B
+    offs_v = tl.arange(0, BLOCK_V).to(tl.int64)
+    rows = tl.where(b_ok, offs_b, 0)
+    row_ptrs = logits_ptr + rows[:, None] * stride_lb + offs_v[None, :]
+    # lse = x[token] - logprob[token], from the sampling pass.
+    token = tl.load(token_ptr + offs_b, mask=b_ok, other=0)
+    lse = tl.load(logits_ptr + offs_b * stride_lb + token, mask=b_ok, other=0.0) \
+        - tl.load(logprob_ptr + offs_b, mask=b_ok, other=0.0)
+    prev_v = tl.full([BLOCK_B], float("inf"), tl.float32)
+    prev_i = tl.full([BLOCK_B], -1, tl.int64)
+    for n in range(0, N):
+        best_v = tl.full([BLOCK_B], float("-inf"), tl.float32)
+        best_i = tl.full([BLOCK_B], V, tl.int64)
+        for start in range(0, V, BLOCK_V):
+            idx = start + offs_v
+            x = tl.load(row_ptrs + start, mask=(idx < V)[None, :], other=float("-inf"))
+            below = (x < prev_v[:, None]) | ((x == prev_v[:, None]) & (idx[None, :] > prev_i[:, None]))
+            x = tl.where(below & (idx < V)[None, :], x, float("-inf"))
+            cmax, cidx = tl.max(x, axis=1, return_indices=True)
+            cidx = cidx.to(tl.int64) + start
+            better = (cmax > best_v) | ((cmax == best_v) & (cidx < best_i))
+            best_i = tl.where(better, cidx, best_i)
+            best_v = tl.where(better, cmax, best_v)
+        tl.store(top_ids_ptr + offs_b * stride_tb + n, best_i, mask=b_ok)
+        tl.store(top_lp_ptr + offs_b * stride_tb + n, best_v - lse, mask=b_ok)
+        prev_v = best_v
+        prev_i = best_i
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, seeds: torch.Tensor, num_top_logprobs: int = 0,
+           *, all_greedy: bool = False, any_top_k: bool = True, any_top_p: bool = True,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """logits: [B, V] fp32 -> (tokens [B] int64, logprobs [B], top ids [B, N], top logprobs [B, N]).
+
+    The keyword flags are host-side facts about the batch that let the kernel skip whole
+    passes (the per-row parameters stay authoritative).
+    """
+    check(logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1,
+          "logits must be [B, V] float32 with unit column stride")
+    B, V = logits.shape
+    for name, t, dt in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
+                        ("top_p", top_p, torch.float32), ("seeds", seeds, torch.int64)):
+        check(t.shape == (B,) and t.dtype == dt, f"{name} must be [{B}] {dt}")
+    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    if B == 0:
+        return tokens, logprobs, None, None
+    block_b = min(64, next_pow2(B)) if INTERPRET else 1
+    block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
+    grid = (triton.cdiv(B, block_b),)
+    _sample_kernel[grid](
+        logits, temperature, top_k, top_p, seeds, tokens, logprobs, logits.stride(0), B, V,
+        APPLY_TOP_K=any_top_k and not all_greedy, APPLY_TOP_P=any_top_p and not all_greedy,
+        ALL_GREEDY=all_greedy, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    if num_top_logprobs <= 0:
+        return tokens, logprobs, None, None
+    n = min(num_top_logprobs, V)
+    top_ids = torch.empty((B, n), dtype=torch.int64, device=logits.device)
+    top_lp = torch.empty((B, n), dtype=torch.float32, device=logits.device)
+    _top_logprobs_kernel[grid](logits, logprobs, top_ids, top_lp, tokens,
+                               logits.stride(0), top_ids.stride(0), B, V, n,
+                               BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    return tokens, logprobs, top_ids, top_lp

@@ -1,0 +1,47 @@
+"""Test setup: run Triton kernels through the interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before any kernel module is imported (it is read when @triton.jit
+decorates a function), so it is decided here, before the test modules import anything.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+if os.environ.get("TINYSERVE_DEVICE", "") != "cuda":
+    try:
+        import torch
+
+        _has_cuda = torch.cuda.is_available()
+    except ImportError:  # control-plane tests need no torch
+        _has_cuda = False
+    if not _has_cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+# numpy threads inside the interpreter's tl.dot make tiny steps slower, not faster.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260k"
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES_DIR / "model.safetensors").exists():
+        pytest.skip(f"stories260k fixture not found at {STORIES_DIR}")
+    return STORIES_DIR
+
+
+@pytest.fixture(scope="session")
+def tmp_models(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("models")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,143 @@
+"""Paged attention (prefill and decode) against a float32 torch reference on contiguous K/V.
+
+Caches are filled at random physical blocks, so every test also checks the block-table walk.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tinyserve.kernels import context_attention_paged, token_attention_paged
+
+# (dtype, atol, rtol)
+DTYPES = [(torch.float32, 2e-5, 1e-4), (torch.float16, 3e-3, 3e-3)]
+
+
+def make_paged(seq_lens, Hk, Dh, block_size, dtype, device, seed):
+    """Random K/V for each sequence, scattered over shuffled physical blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    k_cache = torch.randn(num_blocks, block_size, Hk, Dh, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hk, Dh, generator=g).to(device, dtype)
+    max_blocks = max(blocks_per_seq) + 1  # one spare column: tables are wider than needed
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    dense = []
+    for b, nb in enumerate(blocks_per_seq):
+        ids = [perm.pop() for _ in range(nb)]
+        tables[b, :nb] = torch.tensor(ids, dtype=torch.int32)
+        n = seq_lens[b]
+        dense.append((k_cache[ids].reshape(-1, Hk, Dh)[:n], v_cache[ids].reshape(-1, Hk, Dh)[:n]))
+    return k_cache, v_cache, tables.to(device), dense
+
+
+def ref_attention(q, k, v, q_pos):
+    """q: [Tq, Hq, Dh] at absolute positions q_pos; k, v: [N, Hk, Dh]. Causal, fp32."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,nhd->hqn", q.float(), k) / math.sqrt(q.shape[-1])
+    causal = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~causal[None], float("-inf"))
+    return torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
+
+
+CASES = [
+    # (q_lens, ctx_lens, Hq, Hk, Dh, block_size)
+    ([5], [0], 8, 4, 8, 16),                     # stories260k shape
+    ([1, 17, 33], [0, 15, 16], 4, 4, 16, 16),    # GQA 1, prefix crossing a block edge
+    ([40, 3, 70], [9, 100, 0], 8, 4, 64, 16),    # GQA 2
+    ([13, 29], [31, 2], 8, 2, 24, 8),            # GQA 4, odd head_dim, small blocks
+    ([130], [5], 4, 1, 32, 16),                  # query tile split across programs
+]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("q_lens,ctx_lens,Hq,Hk,Dh,block_size", CASES)
+@pytest.mark.parametrize("block_n", [None, 16])
+def test_context_attention_paged(device, dtype, atol, rtol, q_lens, ctx_lens, Hq, Hk, Dh,
+                                 block_size, block_n):
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, Hk, Dh, block_size, dtype, device,
+                                                 seed=sum(seq_lens) + Dh)
+    T = sum(q_lens)
+    q = torch.randn(T, Hq, Dh, generator=torch.Generator().manual_seed(T)).to(device, dtype)
+    q_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                           device=device)
+    out = context_attention_paged(q, k_cache, v_cache, tables,
+                                  torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                  q_start, max(q_lens), block_n=block_n)
+    for b, (ql, n) in enumerate(zip(q_lens, seq_lens)):
+        s = int(q_start[b])
+        pos = torch.arange(n - ql, n, device=device)
+        ref = ref_attention(q[s : s + ql], *dense[b], pos)
+        torch.testing.assert_close(out[s : s + ql].float(), ref, atol=atol, rtol=rtol)
+
+
+def test_chunked_prefill_equals_whole_prefill(device):
+    """Chunks of a prompt attending to their cached earlier chunks give the same numbers."""
+    n, Hq, Hk, Dh = 77, 8, 4, 8
+    k_cache, v_cache, tables, _ = make_paged([n], Hk, Dh, 16, torch.float32, device, seed=1)
+    q = torch.randn(n, Hq, Dh, generator=torch.Generator().manual_seed(2)).to(device)
+    whole = context_attention_paged(
+        q, k_cache, v_cache, tables, torch.tensor([n], device=device),
+        torch.tensor([0, n], device=device), n)
+    for lo, hi in [(0, 20), (20, 21), (21, 77)]:
+        part = context_attention_paged(
+            q[lo:hi], k_cache, v_cache, tables, torch.tensor([hi], device=device),
+            torch.tensor([0, hi - lo], device=device), hi - lo)
+        assert torch.equal(part, whole[lo:hi])
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("seq_lens,Hq,Hk,Dh,block_size", [
+    ([5], 8, 4, 8, 16),
+    ([1, 16, 17, 100], 4, 4, 16, 16),
+    ([33, 250, 7], 8, 2, 64, 16),
+    ([64, 3], 6, 2, 24, 8),
+])
+@pytest.mark.parametrize("split", [None, (32, 16)])
+def test_token_attention_paged(device, dtype, atol, rtol, seq_lens, Hq, Hk, Dh, block_size, split):
+    split_size, block_n = split or (None, None)
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, Hk, Dh, block_size, dtype, device,
+                                                 seed=sum(seq_lens) * 3 + Dh)
+    B = len(seq_lens)
+    q = torch.randn(B, Hq, Dh, generator=torch.Generator().manual_seed(B)).to(device, dtype)
+    out = token_attention_paged(q, k_cache, v_cache, tables,
+                                torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                max(seq_lens), split_size=split_size, block_n=block_n)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention(q[b : b + 1], *dense[b], torch.tensor([n - 1], device=device))
+        torch.testing.assert_close(out[b : b + 1].float(), ref, atol=atol, rtol=rtol)
+
+
+def test_decode_single_split_rows_are_batch_invariant(device):
+    """A short sequence gives bit-identical output alone or next to one that needs splitting."""
+    k_cache, v_cache, tables, _ = make_paged([20, 200], 4, 8, 16, torch.float32, device, seed=5)
+    q = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(6)).to(device)
+    lens = torch.tensor([20, 200], device=device)
+    both = token_attention_paged(q, k_cache, v_cache, tables, lens, 200, split_size=64, block_n=16)
+    alone = token_attention_paged(q[:1], k_cache, v_cache, tables[:1], lens[:1], 20,
+                                  split_size=64, block_n=16)
+    assert torch.equal(both[0], alone[0])
+
+
+def test_decode_equals_last_row_of_prefill(device):
+    n, Hq, Hk, Dh = 45, 8, 4, 8
+    k_cache, v_cache, tables, _ = make_paged([n], Hk, Dh, 16, torch.float32, device, seed=9)
+    q = torch.randn(n, Hq, Dh, generator=torch.Generator().manual_seed(3)).to(device)
+    lens = torch.tensor([n], device=device)
+    pre = context_attention_paged(q, k_cache, v_cache, tables, lens,
+                                  torch.tensor([0, n], device=device), n)
+    dec = token_attention_paged(q[-1:], k_cache, v_cache, tables, lens, n)
+    torch.testing.assert_close(dec[0], pre[-1], atol=1e-6, rtol=1e-6)
+
+
+def test_attention_rejects_bad_head_ratio(device):
+    k_cache = torch.zeros(2, 16, 3, 8, device=device)
+    with pytest.raises(ValueError, match="multiple"):
+        token_attention_paged(torch.zeros(1, 4, 8, device=device), k_cache, k_cache.clone(),
+                              torch.zeros(1, 1, dtype=torch.int32, device=device),
+                              torch.ones(1, dtype=torch.int32, device=device), 1)

@@ -1,0 +1,117 @@
+"""Row-wise kernels against float32 torch references: gather, add+RMSNorm, rotary, SiLU*mul,
+KV-cache write. Shapes are deliberately awkward (not multiples of any block size)."""
+
+import pytest
+import torch
+
+from tinyserve.kernels import (add_rmsnorm, apply_rotary, gather_rows, silu_and_mul,
+                               write_kv_cache)
+
+# (dtype, atol, rtol): fp32 must agree to rounding; fp16 to its ~1e-3 resolution.
+DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3)]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("T,V,D", [(1, 7, 3), (37, 513, 72), (130, 100, 200)])
+def test_gather_rows(device, dtype, atol, rtol, T, V, D):
+    g = torch.Generator().manual_seed(T * V + D)
+    table = torch.randn(V, D, generator=g).to(device, dtype)
+    ids = torch.randint(0, V, (T,), generator=g).to(device)
+    out = gather_rows(ids, table)
+    torch.testing.assert_close(out, table[ids], atol=0, rtol=0)
+
+
+def test_gather_rows_masks_out_of_range_ids(device):
+    table = torch.randn(5, 4, device=device)
+    out = gather_rows(torch.tensor([0, 5, -1, 4], device=device), table)
+    torch.testing.assert_close(out[0], table[0])
+    torch.testing.assert_close(out[3], table[4])
+    assert torch.count_nonzero(out[1:3]) == 0
+
+
+def _ref_rmsnorm(x, w, eps):
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w.float() * normed.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("T,D", [(1, 64), (67, 100), (3, 4096), (200, 33)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm(device, dtype, atol, rtol, T, D, with_residual):
+    g = torch.Generator().manual_seed(T + D)
+    x = torch.randn(T, D, generator=g).to(device, dtype)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(device, dtype)
+    res = torch.randn(T, D, generator=g).to(device, dtype) if with_residual else None
+    res_before = None if res is None else res.clone()
+    out = add_rmsnorm(x, w, 1e-5, residual=res)
+    h = x if res is None else (x.float() + res_before.float()).to(dtype)
+    torch.testing.assert_close(out, _ref_rmsnorm(h, w, 1e-5), atol=atol, rtol=rtol)
+    if res is not None:
+        torch.testing.assert_close(res, h, atol=atol, rtol=rtol)
+
+
+def test_add_rmsnorm_strided_input(device):
+    x = torch.randn(9, 50, device=device)[:, :40]  # row stride 50, D 40
+    w = torch.randn(40, device=device)
+    torch.testing.assert_close(add_rmsnorm(x, w, 1e-6), _ref_rmsnorm(x, w, 1e-6))
+
+
+def _ref_rotary(x, pos, cos, sin):
+    half = x.shape[-1] // 2
+    c, s = cos[pos][:, None, :].float(), sin[pos][:, None, :].float()
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hk,Dh", [(1, 8, 4, 8), (23, 6, 2, 64), (70, 5, 5, 16), (9, 32, 8, 128)])
+def test_rotary_in_place_on_fused_qkv_views(device, dtype, atol, rtol, T, Hq, Hk, Dh):
+    g = torch.Generator().manual_seed(T * Hq + Dh)
+    max_pos = 300
+    inv = 1.0 / (10000 ** (torch.arange(0, Dh, 2).float() / Dh))
+    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device, dtype)
+    q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
+    k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
+    v_before = qkv[:, (Hq + Hk) * Dh :].clone()
+    pos = torch.randint(0, max_pos, (T,), generator=g).to(device)
+    q_ref, k_ref = _ref_rotary(q, pos, cos, sin), _ref_rotary(k, pos, cos, sin)
+    apply_rotary(q, k, pos, cos, sin)
+    torch.testing.assert_close(q, q_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k, k_ref, atol=atol, rtol=rtol)
+    assert torch.equal(qkv[:, (Hq + Hk) * Dh :], v_before), "v must be untouched"
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 172), (45, 13), (129, 300)])
+def test_silu_and_mul(device, dtype, atol, rtol, T, I):
+    g = torch.Generator().manual_seed(T + I)
+    x = torch.randn(T, 2 * I, generator=g).to(device, dtype)
+    ref = (torch.nn.functional.silu(x[:, :I].float()) * x[:, I:].float()).to(dtype)
+    torch.testing.assert_close(silu_and_mul(x), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,Hk,Dh,block_size", [(1, 4, 8, 16), (37, 2, 64, 16), (100, 3, 24, 8)])
+def test_write_kv_cache_through_slot_mapping(device, dtype, T, Hk, Dh, block_size):
+    g = torch.Generator().manual_seed(T + Hk)
+    num_blocks = 2 * (T // block_size + 2)
+    Hq = 2 * Hk
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device, dtype)
+    k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
+    v = qkv[:, (Hq + Hk) * Dh :].view(T, Hk, Dh)
+    k_cache = torch.zeros(num_blocks, block_size, Hk, Dh, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T].to(device)
+    slots[::5] = -1  # padding tokens are skipped
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    keep = slots >= 0
+    flat_k = k_cache.view(-1, Hk, Dh)
+    flat_v = v_cache.view(-1, Hk, Dh)
+    assert torch.equal(flat_k[slots[keep]], k[keep])
+    assert torch.equal(flat_v[slots[keep]], v[keep])
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+    written[slots[keep]] = True
+    assert torch.count_nonzero(flat_k[~written]) == 0 and torch.count_nonzero(flat_v[~written]) == 0

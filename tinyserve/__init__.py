@@ -1,0 +1,26 @@
+"""tinyserve: a small, readable LLM inference server over a pure-Triton Llama engine.
+
+``LLM`` and ``SamplingParams`` are imported lazily so that the server's control plane (and its
+tests) never imports torch or triton.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+
+if TYPE_CHECKING:
+    from tinyserve.engine.sampling import SamplingParams
+    from tinyserve.llm import LLM, RequestOutput
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SamplingParams":
+        from tinyserve.engine.sampling import SamplingParams
+
+        return SamplingParams
+    if name in ("LLM", "RequestOutput"):
+        from tinyserve import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'tinyserve' has no attribute {name!r}")
