@@ -5,15 +5,21 @@ Triton's interpreter (``tinyserve.engine.backend.select_device`` does it for you
 choose block sizes from ``utils.INTERPRET``; the kernel source is the same on GPU and CPU.
 """
 
-from tinyserve.kernels.activation import silu_and_mul
-from tinyserve.kernels.attention_decode import token_attention_paged
-from tinyserve.kernels.attention_prefill import context_attention_paged
-from tinyserve.kernels.embedding import gather_rows
-from tinyserve.kernels.kv_cache import write_kv_cache
-from tinyserve.kernels.matmul import int8_matmul, matmul
-from tinyserve.kernels.rmsnorm import add_rmsnorm
-from tinyserve.kernels.rotary import apply_rotary
-from tinyserve.kernels.sampling import sample
+from tinyserve.kernels import interpreter as _interpreter
+from tinyserve.kernels.utils import INTERPRET
+
+if INTERPRET:
+    _interpreter.install()
+
+from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
+from tinyserve.kernels.attention_decode import token_attention_paged  # noqa: E402
+from tinyserve.kernels.attention_prefill import context_attention_paged  # noqa: E402
+from tinyserve.kernels.embedding import gather_rows  # noqa: E402
+from tinyserve.kernels.kv_cache import write_kv_cache  # noqa: E402
+from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
+from tinyserve.kernels.rmsnorm import add_rmsnorm  # noqa: E402
+from tinyserve.kernels.rotary import apply_rotary  # noqa: E402
+from tinyserve.kernels.sampling import sample  # noqa: E402
 
 __all__ = [
     "add_rmsnorm",

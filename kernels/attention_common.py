@@ -10,7 +10,9 @@ A query row holds its vector only in its own KV head's column block (zeros elsew
 ``tl.dot`` against a key tile [BLOCK_N, COLS] scores every head at once and nothing crosses
 heads. On a GPU HEADS_PER_PROG is 1 (no waste, grid over KV heads); the interpreter uses all KV
 heads per program because its cost is programs x ops, not FLOPs. GQA comes for free: the G
-query heads of a group share the key tile. BLOCK_D >= 16 because ``tl.dot`` needs K >= 16 on a
+query heads of a group share the key tile. The decode kernel also stacks several sequences
+in one program on the interpreter (row groups = sequence slots, one key tile per slot, a
+same-slot mask), for the same reason. BLOCK_D >= 16 because ``tl.dot`` needs K >= 16 on a
 GPU (stories260k has head_dim 8); padded columns are masked to zero.
 
 KV is paged: key n of a sequence lives in block ``block_table[n // BLOCK_SIZE]`` at offset
@@ -43,32 +45,38 @@ def tile_layout(pid_h, num_kv_heads, head_dim, stride_kh,
 
 
 @triton.jit
-def attend_paged(q, q_pos, m_i, l_i, acc,
-                 k_cache_ptr, v_cache_ptr, block_table_ptr, kv_col_off, col_ok,
-                 lo, hi, stride_kb, stride_ks, sm_scale_log2,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online-softmax attention of q [ROWS, COLS] over keys [lo, hi), causal on q_pos [ROWS].
+def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
+                 k_cache_ptr, v_cache_ptr, block_tables_ptr, k_slot, k_table_off, k_hi,
+                 kv_col_off, col_ok, lo, hi, stride_kb, stride_ks, sm_scale_log2,
+                 BLOCK_N: tl.constexpr, KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    """Online-softmax attention of q [ROWS, COLS] over key positions [lo, hi), causal on q_pos.
 
-    Scores are in the log2 domain (sm_scale_log2 = scale * log2(e)) so exp2 can be used. Tiles
-    start at ``lo`` in fixed BLOCK_N steps, so a row's result does not depend on which other rows
-    share its program (chunked prefill and batching give the same numbers). A row needs one valid
-    key in the first tile (true for causal rows, since q_pos >= lo); later fully masked tiles are
-    exact no-ops (alpha = 1, p = 0).
+    The key tile has KEYS = SEQ_SLOTS * BLOCK_N rows: BLOCK_N positions for each of the
+    program's sequence slots. Key row i belongs to slot k_slot[i] (block-table row offset
+    k_table_off[i], positions < k_hi[i]); a query row only sees keys of its own slot q_slot.
+    Scores are in the log2 domain (sm_scale_log2 = scale * log2(e)). Tiles start at ``lo`` in
+    fixed BLOCK_N steps and masked keys add exact zeros, so a row's numbers do not depend on
+    which other rows or sequences share its program (batch invariance). Rows with no valid key
+    yet keep m = -inf, l = 0 (the m_safe guard avoids inf - inf).
     """
+    offs_k = tl.arange(0, KEYS).to(tl.int64) % BLOCK_N
+    same_seq = k_slot[None, :] == q_slot[:, None]
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
-        n_ok = offs_n < hi
-        block = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot_off = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
+        n = start_n + offs_k
+        n_ok = n < k_hi
+        block = tl.load(block_tables_ptr + k_table_off + n // BLOCK_SIZE, mask=n_ok, other=0)
+        slot_off = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks
         kv_off = slot_off[:, None] + kv_col_off[None, :]
         kv_mask = n_ok[:, None] & col_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-        keep = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        keep = same_seq & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)

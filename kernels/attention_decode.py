@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
 from tinyserve.kernels.utils import INTERPRET, check, dot_precision, next_pow2
 
@@ -28,44 +27,49 @@ def _token_attention_paged_kernel(
     block_tables_ptr, b_seq_len_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    sm_scale_log2, num_kv_heads, head_dim, split_size,
+    sm_scale_log2, num_seqs, num_kv_heads, head_dim, split_size,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SEQ_SLOTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    seq0 = tl.program_id(0).to(tl.int64) * SEQ_SLOTS
     pid_h = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
-    seq_len = tl.load(b_seq_len_ptr + b).to(tl.int64)
+    COLS: tl.constexpr = HEADS_PER_PROG * BLOCK_D
+    KEYS: tl.constexpr = SEQ_SLOTS * BLOCK_N
+    # Row groups are sequence slots here (one query token each).
+    r_slot, q_head, row_ok, c_d, kv_col_off, col_ok, same_head = tile_layout(
+        pid_h, num_kv_heads, head_dim, stride_kh, GROUP, BLOCK_G, HEADS_PER_PROG, ROWS, BLOCK_D)
+    row_b = seq0 + r_slot
+    row_ok = row_ok & (r_slot < SEQ_SLOTS) & (row_b < num_seqs)
+    row_len = tl.load(b_seq_len_ptr + row_b, mask=row_ok, other=0).to(tl.int64)
     lo = split * split_size
-    if lo < seq_len:
-        COLS: tl.constexpr = HEADS_PER_PROG * BLOCK_D
-        r_tok, q_head, row_ok, c_d, kv_col_off, col_ok, same_head = tile_layout(
-            pid_h, num_kv_heads, head_dim, stride_kh,
-            GROUP, BLOCK_G, HEADS_PER_PROG, ROWS, BLOCK_D)
-        row_ok = row_ok & (r_tok == 0)  # rows past one token only pad the tile to 16 for tl.dot
+    row_ok = row_ok & (lo < row_len)  # this split exists for the row's sequence
+    hi = tl.minimum(tl.max(row_len, axis=0), lo + split_size)
+    if lo < hi:
         tile_mask = row_ok[:, None] & col_ok[None, :] & same_head
-        q = tl.load(q_ptr + b * stride_qb + q_head[:, None] * stride_qh + c_d[None, :],
+        q = tl.load(q_ptr + row_b[:, None] * stride_qb + q_head[:, None] * stride_qh + c_d[None, :],
                     mask=tile_mask, other=0.0)
-        q_pos = tl.zeros([ROWS], dtype=tl.int64) + (seq_len - 1)
-
+        k_slot = tl.arange(0, KEYS).to(tl.int64) // BLOCK_N
+        k_b = seq0 + k_slot
+        k_len = tl.load(b_seq_len_ptr + k_b, mask=k_b < num_seqs, other=0).to(tl.int64)
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([ROWS], dtype=tl.float32)
-        acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
-        hi = tl.minimum(seq_len, lo + split_size)
+        l_i = tl.full([ROWS], 0.0, dtype=tl.float32)
+        acc = tl.full([ROWS, COLS], 0.0, dtype=tl.float32)
         m_i, l_i, acc = attend_paged(
-            q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + b * stride_btb, kv_col_off, col_ok,
-            lo, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, BLOCK_SIZE, DOT_PREC)
-        acc = acc / l_i[:, None]
+            q, row_len - 1, r_slot, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+            k_slot, k_b * stride_btb, tl.minimum(k_len, lo + split_size), kv_col_off, col_ok,
+            lo, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, KEYS, BLOCK_SIZE, DOT_PREC)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows without keys in this split: not stored
+        acc = acc / l_safe[:, None]
         if SINGLE_SPLIT:
-            tl.store(out_ptr + b * stride_ob + q_head[:, None] * stride_oh + c_d[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+            tl.store(out_ptr + row_b[:, None] * stride_ob + q_head[:, None] * stride_oh
+                     + c_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
         else:
-            tl.store(part_out_ptr + b * stride_pb + q_head[:, None] * stride_ph
+            tl.store(part_out_ptr + row_b[:, None] * stride_pb + q_head[:, None] * stride_ph
                      + split * stride_ps + c_d[None, :], acc, mask=tile_mask)
-            tl.store(part_lse_ptr + b * stride_lb + q_head * stride_lh + split,
-                     m_i + tl.log2(l_i), mask=row_ok)
+            tl.store(part_lse_ptr + row_b * stride_lb + q_head * stride_lh + split,
+                     m_i + tl.log2(l_safe), mask=row_ok)
 
 
 @triton.jit
@@ -115,7 +119,7 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     check(out.shape == q.shape and out.stride(2) == 1, "out must match q")
     if B == 0:
         return out
-    block_n = block_n or (256 if INTERPRET else 64)
+    block_n = block_n or (128 if INTERPRET else 64)
     split_size = split_size or default_split_size()
     check(split_size % block_n == 0, "split_size must be a multiple of block_n")
     num_splits = triton.cdiv(max_seq_len, split_size)
@@ -128,13 +132,16 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, hp.num_heads, num_splits), dtype=torch.float32, device=q.device)
         p_strides, l_strides = part_out.stride()[:3], part_lse.stride()[:2]
-    rows = max(16, hp.heads_per_prog * hp.block_g)
-    _token_attention_paged_kernel[(B, hp.kv_grid, num_splits)](
+    # Interpreter: up to 16 sequences per program (cost ~ programs, not FLOPs). GPU: one.
+    slots = min(16, next_pow2(B)) if INTERPRET else 1
+    rows = max(16, slots * hp.heads_per_prog * hp.block_g)
+    _token_attention_paged_kernel[(triton.cdiv(B, slots), hp.kv_grid, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
         block_tables.stride(0), *p_strides, *l_strides,
-        hp.sm_scale_log2, hp.num_kv_heads, hp.head_dim, split_size,
-        GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog, ROWS=rows,
+        hp.sm_scale_log2, B, hp.num_kv_heads, hp.head_dim, split_size,
+        GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
+        SEQ_SLOTS=slots, ROWS=rows,
         BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, SINGLE_SPLIT=single,
         DOT_PREC=dot_precision(q.dtype), num_warps=4)
     if not single:

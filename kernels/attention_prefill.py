@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
 from tinyserve.kernels.utils import INTERPRET, check, dot_precision
 
@@ -54,13 +53,14 @@ def _context_attention_paged_kernel(
         q = tl.load(q_ptr + q_off, mask=tile_mask, other=0.0)
 
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([ROWS], dtype=tl.float32)
-        acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+        l_i = tl.full([ROWS], 0.0, dtype=tl.float32)
+        acc = tl.full([ROWS, COLS], 0.0, dtype=tl.float32)
         hi = tl.minimum(seq_len, ctx_len + (pid_m + 1) * BLOCK_M)
+        zero_k = tl.full([BLOCK_N], 0, dtype=tl.int64)
         m_i, l_i, acc = attend_paged(
-            q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + b.to(tl.int64) * stride_btb, kv_col_off, col_ok,
-            0, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, BLOCK_SIZE, DOT_PREC)
+            q, q_pos, r_tok * 0, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+            zero_k, zero_k + b.to(tl.int64) * stride_btb, zero_k + seq_len, kv_col_off, col_ok,
+            0, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, BLOCK_N, BLOCK_SIZE, DOT_PREC)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + m_idx)[:, None] * stride_ot + q_head[:, None] * stride_oh + c_d[None, :]
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)

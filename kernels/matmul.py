@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from tinyserve.kernels.utils import INTERPRET, check, dot_precision, next_pow2
 
 
@@ -29,28 +28,32 @@ def _matmul_kernel(
     W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Grouped program order: GROUP_M row-tiles sweep the same weight columns while they are in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    if GROUP_M == 1:
+        pid_m = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1).to(tl.int64)
+    else:
+        # Grouped order: GROUP_M row-tiles sweep the same weight columns while they sit in L2.
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group_id = pid // (GROUP_M * num_pid_n)
+        first_m = group_id * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = (first_m + (pid % (GROUP_M * num_pid_n)) % group_size).to(tl.int64)
+        pid_n = ((pid % (GROUP_M * num_pid_n)) // group_size).to(tl.int64)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0)
+    for k in range(0, K, BLOCK_K):
+        mask_k = (offs_k + k) < K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
         if W_INT8:
             w = w.to(a.dtype)  # exact: |w_q| <= 127
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
@@ -83,7 +86,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     if M == 0:
         return out
     bm, bn, bk, group_m = _tiles(N, K, a.dtype)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    grid = ((triton.cdiv(M, bm), triton.cdiv(N, bn)) if group_m == 1
+            else (triton.cdiv(M, bm) * triton.cdiv(N, bn),))
     _matmul_kernel[grid](
         a, w, scale if scale is not None else w, out, M, N, K,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),

@@ -17,56 +17,59 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from tinyserve.kernels.utils import INTERPRET, check, next_pow2
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_t, stride_h, offs_t, mask_t, num_heads, cos, sin,
-                  HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    ptrs = x_ptr + offs_t[:, None, None] * stride_t + offs_h[None, :, None] * stride_h \
-        + offs_d[None, None, :]
-    mask = mask_t[:, None, None] & (offs_h < num_heads)[None, :, None] \
-        & (offs_d < HALF)[None, None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    c = cos[:, None, :]
-    s = sin[:, None, :]
-    tl.store(ptrs, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptrs + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cp,
-    T, num_q_heads, num_k_heads, HALF, max_pos,
-    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    x_ptr, cos_ptr, sin_ptr, pos_ptr,
+    stride_xt, stride_xh, stride_cp,
+    T, num_heads, HALF, max_pos,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
     mask_t = offs_t < T
     pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
     mask_t = mask_t & (pos >= 0) & (pos < max_pos)
-    offs_d = tl.arange(0, BLOCK_HALF)
     cs_mask = mask_t[:, None] & (offs_d < HALF)[None, :]
-    cos = tl.load(cos_ptr + pos[:, None] * stride_cp + offs_d[None, :], mask=cs_mask, other=0.0)
-    sin = tl.load(sin_ptr + pos[:, None] * stride_cp + offs_d[None, :], mask=cs_mask, other=0.0)
-    _rotate_heads(q_ptr, stride_qt, stride_qh, offs_t, mask_t, num_q_heads, cos, sin,
-                  HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, stride_kt, stride_kh, offs_t, mask_t, num_k_heads, cos, sin,
-                  HALF, BLOCK_HK, BLOCK_HALF)
+    cs_off = pos[:, None] * stride_cp + offs_d[None, :]
+    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    # Both halves of a pair sit in the same thread's registers, so rotating in place is race-free.
+    ptrs = x_ptr + offs_t[:, None, None] * stride_xt + offs_h[None, :, None] * stride_xh \
+        + offs_d[None, None, :]
+    mask = cs_mask[:, None, :] & (offs_h < num_heads)[None, :, None]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            num_heads: int) -> None:
+    T, _, Dh = x.shape
+    half = Dh // 2
+    block_t = min(64, next_pow2(T)) if INTERPRET else 1
+    block_h = next_pow2(num_heads) if INTERPRET else min(next_pow2(num_heads), 16)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(num_heads, block_h))
+    _rotary_kernel[grid](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
+                         T, num_heads, half, cos.shape[0],
+                         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half))
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """q: [T, Hq, Dh], k: [T, Hk, Dh] rotated in place; positions: [T]; cos, sin: [P, Dh/2] fp32."""
+    """q: [T, Hq, Dh], k: [T, Hk, Dh] rotated in place; positions: [T]; cos, sin: [P, Dh/2] fp32.
+
+    When k directly follows q in memory (the fused qkv projection) both are one launch.
+    """
     check(q.dim() == 3 and k.dim() == 3, "q and k must be [T, H, head_dim]")
     T, Hq, Dh = q.shape
     check(k.shape[0] == T and k.shape[2] == Dh, "k must be [T, Hk, head_dim] like q")
     check(q.stride(2) == 1 and k.stride(2) == 1, "q and k need unit stride along head_dim")
+    check(q.dtype == k.dtype, "q and k must share a dtype")
     check(Dh % 2 == 0, f"head_dim must be even, got {Dh}")
     check(positions.shape == (T,), "positions must be [T]")
     check(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == Dh // 2
@@ -74,11 +77,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
           f"cos/sin must be [max_pos, {Dh // 2}] with equal strides")
     if T == 0:
         return
-    half = Dh // 2
-    block_t = min(64, next_pow2(T)) if INTERPRET else 1
-    _rotary_kernel[(triton.cdiv(T, block_t),)](
-        q, k, cos, sin, positions,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        T, Hq, k.shape[1], half, cos.shape[0],
-        BLOCK_T=block_t, BLOCK_HQ=next_pow2(Hq), BLOCK_HK=next_pow2(k.shape[1]),
-        BLOCK_HALF=next_pow2(half))
+    adjacent = (q.stride() == k.stride() and q.stride(1) == Dh
+                and k.data_ptr() == q.data_ptr() + Hq * Dh * q.element_size())
+    if adjacent:
+        _launch(q, positions, cos, sin, Hq + k.shape[1])
+    else:
+        _launch(q, positions, cos, sin, Hq)
+        _launch(k, positions, cos, sin, k.shape[1])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from tinyserve.kernels.utils import INTERPRET, check, next_pow2
 
 INT32_MIN = -(2**31)
@@ -200,7 +199,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B == 0:
         return tokens, logprobs, None, None
-    block_b = min(64, next_pow2(B)) if INTERPRET else 1
+    block_b = min(256, next_pow2(B)) if INTERPRET else 1
     block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
     grid = (triton.cdiv(B, block_b),)
     _sample_kernel[grid](

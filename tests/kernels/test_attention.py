@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from tinyserve.kernels import context_attention_paged, token_attention_paged
 
 # (dtype, atol, rtol)
@@ -133,6 +132,19 @@ def test_decode_equals_last_row_of_prefill(device):
                                   torch.tensor([0, n], device=device), n)
     dec = token_attention_paged(q[-1:], k_cache, v_cache, tables, lens, n)
     torch.testing.assert_close(dec[0], pre[-1], atol=1e-6, rtol=1e-6)
+
+
+def test_decode_rows_are_batch_invariant_across_sequence_slots(device):
+    """A sequence's decode output is bit-identical alone or sharing a program with others."""
+    lens = [37, 5, 130, 64, 1]
+    k_cache, v_cache, tables, _ = make_paged(lens, 2, 16, 16, torch.float32, device, seed=11)
+    q = torch.randn(len(lens), 8, 16, generator=torch.Generator().manual_seed(12)).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    together = token_attention_paged(q, k_cache, v_cache, tables, seq_lens, max(lens))
+    for b, n in enumerate(lens):
+        alone = token_attention_paged(q[b : b + 1], k_cache, v_cache, tables[b : b + 1],
+                                      seq_lens[b : b + 1], n)
+        assert torch.equal(together[b], alone[0])
 
 
 def test_attention_rejects_bad_head_ratio(device):

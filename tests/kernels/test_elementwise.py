@@ -3,9 +3,7 @@ KV-cache write. Shapes are deliberately awkward (not multiples of any block size
 
 import pytest
 import torch
-
-from tinyserve.kernels import (add_rmsnorm, apply_rotary, gather_rows, silu_and_mul,
-                               write_kv_cache)
+from tinyserve.kernels import add_rmsnorm, apply_rotary, gather_rows, silu_and_mul, write_kv_cache
 
 # (dtype, atol, rtol): fp32 must agree to rounding; fp16 to its ~1e-3 resolution.
 DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 2e-3, 2e-3)]
@@ -115,3 +113,17 @@ def test_write_kv_cache_through_slot_mapping(device, dtype, T, Hk, Dh, block_siz
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
     written[slots[keep]] = True
     assert torch.count_nonzero(flat_k[~written]) == 0 and torch.count_nonzero(flat_v[~written]) == 0
+
+
+def test_rotary_on_separate_q_and_k_tensors(device):
+    T, Hq, Hk, Dh = 11, 4, 2, 16
+    inv = 1.0 / (10000 ** (torch.arange(0, Dh, 2).float() / Dh))
+    ang = torch.arange(64).float()[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    q = torch.randn(T, Hq, Dh, device=device)
+    k = torch.randn(T, Hk, Dh, device=device)
+    pos = torch.arange(T, device=device) * 3
+    q_ref, k_ref = _ref_rotary(q, pos, cos, sin), _ref_rotary(k, pos, cos, sin)
+    apply_rotary(q, k, pos, cos, sin)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)

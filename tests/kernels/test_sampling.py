@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from tinyserve.kernels import sample
 
 

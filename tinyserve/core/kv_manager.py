@@ -1,0 +1,79 @@
+"""KVCacheManager: what each sequence holds in the BlockPool, and the prefix cache on top.
+
+The one place that turns "sequence needs N more token slots" into block allocations, and
+"these blocks are now full" into prefix-cache entries. Pure Python.
+"""
+
+from __future__ import annotations
+
+from tinyserve.core.block_pool import BlockPool
+from tinyserve.core.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0  # prompt tokens looked up (first admission of each request)
+        self.prefix_hits = 0  # of those, tokens served from the cache
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence with no blocks its longest cached prefix; returns the hit tokens.
+
+        At most (num_tokens - 1) // block_size blocks: the last token is always computed (its
+        logits are needed), and the computation then starts on a block boundary, so nothing is
+        ever written into a shared block.
+        """
+        assert not seq.block_ids and seq.num_computed_tokens == 0
+        hits: list[int] = []
+        if self.enable_prefix_caching:
+            max_blocks = (seq.num_tokens - 1) // self.block_size
+            hits = self.pool.lookup(seq.block_hashes(max_blocks, self.block_size))
+        seq.block_ids = hits
+        seq.num_committed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        return seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Blocks for ``num_new_tokens`` more tokens; False (nothing taken) if the pool is dry."""
+        need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_ids)
+        if need <= 0:
+            return True
+        blocks = self.pool.allocate(need)
+        if blocks is None:
+            return False
+        seq.block_ids.extend(blocks)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Index the blocks that the last step filled completely."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_committed_blocks:
+            return
+        hashes = seq.block_hashes(full, self.block_size)
+        for i in range(seq.num_committed_blocks, full):
+            self.pool.register(seq.block_ids[i], hashes[i])
+        seq.num_committed_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of a sequence's blocks; tail blocks first, so they are evicted first
+        (a prefix is more likely to be shared than a tail)."""
+        self.pool.release(reversed(seq.block_ids))
+        seq.block_ids = []
+        seq.num_committed_blocks = 0
+        seq.num_computed_tokens = 0
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage

@@ -1,0 +1,197 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+One token budget, no prefill/decode modes. Each step:
+
+1. running sequences, oldest first, each get what they still need (1 token for a decode, the
+   rest of the prompt, or a budget-capped chunk of it). When the pool is dry the newest
+   running sequence is preempted: its blocks are released and it goes back to the front of
+   the waiting queue to be recomputed later (its output so far is kept; its full blocks stay
+   in the prefix cache, so the recompute is often mostly cache hits).
+2. if nothing was preempted, waiting sequences, FIFO, while budget, max_num_seqs and blocks
+   allow; each first takes its cached prefix.
+
+A sequence that fits max_model_len always fits an empty pool (the config checks
+num_blocks * block_size >= max_model_len), so preemption always ends and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from tinyserve.core.kv_manager import KVCacheManager
+from tinyserve.core.sequence import SeqStatus, Sequence
+from tinyserve.engine.sampling import mix_seed
+from tinyserve.messages import ScheduledSeq, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+        if kv.pool.num_blocks * kv.block_size < cfg.max_model_len:
+            raise ValueError(f"the KV pool holds {kv.pool.num_blocks * kv.block_size} tokens, fewer "
+                             f"than max_model_len {cfg.max_model_len}: one long request could "
+                             "never run. Add KV blocks or lower max_model_len.")
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self._step_id = 0
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cache hits)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"duplicate sequence id {seq.seq_id}")
+        if not seq.prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        if seq.num_tokens >= self.cfg.max_model_len:
+            raise ValueError(f"prompt: {seq.num_tokens} tokens leave no room to generate within "
+                             f"max_model_len {self.cfg.max_model_len}")
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self.seqs[seq.seq_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        budget = self.cfg.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, n):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                chosen.append((seq, n))
+                budget -= n
+                i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.cfg.max_num_seqs):
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                self.kv.match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate(seq, n):
+                self.kv.free(seq)  # give back the prefix references until blocks free up
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+
+        if not chosen:
+            return None
+        self._step_id += 1
+        return StepPlan(step_id=self._step_id, seqs=tuple(self._plan_entry(s, n) for s, n in chosen))
+
+    def _plan_entry(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        self.num_prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
+        return ScheduledSeq(
+            seq_id=seq.seq_id, token_ids=tuple(seq.token_ids[start:start + n]), start_pos=start,
+            block_table=tuple(seq.block_ids), sample=start + n == seq.num_tokens,
+            params=seq.params, seed=mix_seed(seq.seed, seq.num_output_tokens))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        log.debug("preempted seq %d (%d tokens)", seq.seq_id, seq.num_tokens)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that got a token or failed with it.
+
+        Sequences aborted or preempted while the step ran are skipped: their blocks were
+        released and the result no longer applies to them.
+        """
+        live: dict[int, Sequence] = {}
+        updated = []
+        for s in plan.seqs:
+            seq = self.seqs.get(s.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING \
+                    or seq.num_computed_tokens != s.start_pos:
+                continue
+            if result.error is not None:  # the step's KV writes are suspect: end, don't retry
+                self.finish(seq, "error")
+                updated.append(seq)
+                continue
+            seq.num_computed_tokens += len(s.token_ids)
+            self.kv.commit(seq)
+            live[seq.seq_id] = seq
+        for out in result.outputs:
+            seq = live.get(out.seq_id)
+            if seq is None:
+                continue
+            seq.token_ids.append(out.token_id)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append((out.logprob, out.top_logprobs))
+            reason = self._stop_reason(seq, out.token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+            updated.append(seq)
+        return updated
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.cfg.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,80 @@
+"""Sequence: the mutable state of one request, owned by the scheduler (the batcher's state).
+
+Counting vocabulary (as in nano-vllm / vLLM):
+
+    token_ids            prompt + generated tokens
+    num_computed_tokens  tokens whose K/V are in the cache (cached prefix + computed chunks)
+    block_ids            the sequence's KV blocks, in order; cover num_computed_tokens
+
+    |<------------------- num_tokens ------------------->|
+    |<--- num_computed_tokens --->|<- still to compute ->|
+    |<-- prefix hit -->|
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tinyserve.core.block_pool import block_hash
+from tinyserve.engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    cache_salt: bytes = b""
+    arrival_time: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    num_committed_blocks: int = 0  # leading blocks already registered in the prefix index
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...] | None]] = field(default_factory=list)
+    _block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """Chained hashes of the first ``num_blocks`` full blocks (memoised: tokens only grow)."""
+        hashes = self._block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            chunk = self.token_ids[i * block_size:(i + 1) * block_size]
+            assert len(chunk) == block_size, "only full blocks are hashed"
+            hashes.append(block_hash(hashes[-1] if hashes else None, chunk, self.cache_salt))
+        return hashes[:num_blocks]

@@ -1,0 +1,126 @@
+"""Engine: a loaded model, its KV cache and its tokenizer, built from an EngineConfig.
+
+The data plane's entry point. It decides the device (and the Triton interpreter) before the
+kernels are imported, loads weights, sizes the KV cache, and owns the ModelRunner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinyserve.config import EngineConfig
+from tinyserve.engine.backend import select_device
+
+log = logging.getLogger(__name__)
+
+CPU_KV_BUDGET = 2 << 30  # bytes: the interpreter copies KV storages per launch; keep them modest
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the control plane needs to know about the loaded engine (plain values)."""
+
+    model_path: str
+    device: str
+    dtype: str
+    quantization: str | None
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+    weight_bytes: int
+    weight_bytes_unquantized: int
+    eos_token_ids: frozenset[int]
+    random_weights: bool
+
+
+def _resolve_dtype(name: str, device: str, checkpoint_dtype: str | None):
+    import torch
+
+    if name == "auto":
+        if device == "cpu":
+            return torch.float32
+        return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+    dtype = getattr(torch, name)
+    if device == "cpu" and dtype == torch.bfloat16:
+        raise ValueError("dtype bfloat16 is not supported on the CPU: Triton's interpreter computes "
+                         "bf16 on raw bits (silently wrong results); use float32 or float16")
+    return dtype
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.device = select_device(cfg.device)
+        from tinyserve.engine.loader import load_model_config, load_weights, rope_tables
+        from tinyserve.engine.model import LlamaModel
+        from tinyserve.engine.runner import KVCacheSpec, ModelRunner
+        from tinyserve.engine.tokenizer import Tokenizer
+
+        random_weights = cfg.model is None
+        if random_weights:
+            from tinyserve.engine.demo import ensure_demo_model
+
+            model_dir = ensure_demo_model()
+        else:
+            model_dir = Path(cfg.model)
+        mcfg = load_model_config(model_dir)
+        dtype = _resolve_dtype(cfg.dtype, self.device, mcfg.torch_dtype)
+        weights = load_weights(model_dir, mcfg, dtype, self.device, cfg.quantization)
+        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer.add_eos_ids(mcfg.eos_token_ids)
+
+        max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if max_model_len > mcfg.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                        max_model_len, mcfg.max_position_embeddings)
+        per_block = KVCacheSpec(1, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
+                                mcfg.head_dim, dtype).bytes_per_block
+        num_blocks = self._num_kv_blocks(cfg, mcfg, per_block, dtype.itemsize, max_model_len)
+        min_blocks = -(-max_model_len // cfg.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {cfg.block_size} tokens cannot "
+                             f"hold one max_model_len={max_model_len} sequence ({min_blocks} needed)")
+        spec = KVCacheSpec(num_blocks, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
+                           mcfg.head_dim, dtype)
+        cos, sin = rope_tables(mcfg, max_model_len, self.device)
+        self.model_config = mcfg
+        self.runner = ModelRunner(LlamaModel(mcfg, weights, cos, sin), mcfg, spec, self.device)
+        self.info = EngineInfo(
+            model_path=str(model_dir), device=self.device, dtype=str(dtype).removeprefix("torch."),
+            quantization=cfg.quantization, vocab_size=mcfg.vocab_size, max_model_len=max_model_len,
+            block_size=cfg.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=spec.total_bytes,
+            weight_bytes=weights.nbytes(), weight_bytes_unquantized=weights.nbytes(dtype),
+            eos_token_ids=self.tokenizer.eos_token_ids, random_weights=random_weights)
+        if cfg.quantization:
+            log.info("int8 weights: %.2f MiB -> %.2f MiB (%.2fx smaller)",
+                     self.info.weight_bytes_unquantized / 2**20, self.info.weight_bytes / 2**20,
+                     self.info.weight_bytes_unquantized / self.info.weight_bytes)
+        log.info("loaded %s (%s, %s%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+                 model_dir, self.device, self.info.dtype,
+                 f", {cfg.quantization}" if cfg.quantization else "", time.perf_counter() - t0,
+                 num_blocks, cfg.block_size, num_blocks * cfg.block_size, spec.total_bytes / 2**20)
+
+    def _num_kv_blocks(self, cfg: EngineConfig, mcfg, per_block: int, itemsize: int,
+                       max_model_len: int) -> int:
+        import torch
+
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            return cfg.kv_cache_memory // per_block
+        want = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # every seq at full length
+        if self.device == "cpu":
+            return max(1, min(want, CPU_KV_BUDGET // per_block))
+        free, _ = torch.cuda.mem_get_info()
+        # Leave room for one step's activations: per batched token a few hidden-size buffers,
+        # the fused qkv and gate/up outputs; per sequence a row of fp32 logits.
+        per_token = (6 * mcfg.hidden_size + 3 * mcfg.intermediate_size
+                     + (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim) * itemsize
+        activations = cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * mcfg.vocab_size * 4
+        budget = int(free * cfg.gpu_memory_utilization) - 2 * activations
+        return max(1, min(want, budget // per_block))

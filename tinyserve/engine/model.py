@@ -1,0 +1,106 @@
+"""The Llama forward pass, every tensor operation a Triton kernel.
+
+torch only allocates and views here: ``torch.empty`` for outputs, slicing/``view`` for the
+q/k/v parts of the fused projection (tests/test_no_torch_compute.py holds us to it).
+
+One step runs a flat, ragged batch of T tokens. Decode tokens (one query per sequence) come
+first and use the split-KV decode kernel; the rest are prefill chunks:
+
+    tokens  [ d0 d1 ... dD-1 | p0 p0 p0 p0 | p1 p1 | ... ]
+              one per decode   chunk of seq  chunk ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig
+from tinyserve.kernels import (
+    add_rmsnorm,
+    apply_rotary,
+    context_attention_paged,
+    gather_rows,
+    int8_matmul,
+    matmul,
+    silu_and_mul,
+    token_attention_paged,
+    write_kv_cache,
+)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Per-step metadata, all device tensors except the host ints that size grids."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset
+    num_decodes: int  # the first num_decodes tokens are decode queries
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, including the new token
+    decode_max_seq_len: int
+    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    prefill_seq_lens: torch.Tensor  # [P] int32, cached + new tokens
+    prefill_q_start: torch.Tensor  # [P + 1] int32, offsets into the prefill part
+    prefill_max_q_len: int
+    logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
+
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hk, Dh] x2
+
+
+def linear(x: torch.Tensor, lin: Linear, out: torch.Tensor | None = None) -> torch.Tensor:
+    if lin.scale is not None:
+        return int8_matmul(x, lin.weight, lin.scale, out=out)
+    return matmul(x, lin.weight, out=out)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: LlamaWeights, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.cos, self.sin = cos, sin  # [max_len, head_dim / 2] fp32
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Returns logits [S, V] fp32 for the rows in ``batch.logits_indices``."""
+        cfg, w = self.cfg, self.w
+        h = gather_rows(batch.input_ids, w.embed)  # [T, D]
+        residual = None
+        for layer, layer_kv in zip(w.layers, kv_cache, strict=True):
+            if residual is None:
+                residual = h
+                x = add_rmsnorm(h, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x = add_rmsnorm(h, layer.input_norm, cfg.rms_norm_eps, residual=residual)
+            h = self._attention(x, layer, batch, layer_kv)
+            x = add_rmsnorm(h, layer.post_norm, cfg.rms_norm_eps, residual=residual)
+            h = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+        x = add_rmsnorm(h, w.norm, cfg.rms_norm_eps, residual=residual)
+        last = gather_rows(batch.logits_indices, x)  # [S, D]
+        logits = torch.empty((last.shape[0], cfg.vocab_size), dtype=torch.float32, device=x.device)
+        return linear(last, w.lm_head, out=logits)
+
+    def _attention(self, x: torch.Tensor, layer: LayerWeights, batch: ForwardBatch,
+                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        T, Hq, Hk, Dh = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = linear(x, layer.qkv)  # [T, (Hq + 2Hk) * Dh]
+        q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
+        k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
+        v = qkv[:, (Hq + Hk) * Dh :].view(T, Hk, Dh)
+        apply_rotary(q, k, batch.positions, self.cos, self.sin)
+        k_cache, v_cache = kv
+        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = torch.empty((T, Hq, Dh), dtype=x.dtype, device=x.device)
+        D = batch.num_decodes
+        if D:
+            token_attention_paged(q[:D], k_cache, v_cache, batch.decode_block_tables,
+                                  batch.decode_seq_lens, batch.decode_max_seq_len, out=o[:D])
+        if T > D:
+            context_attention_paged(q[D:], k_cache, v_cache, batch.prefill_block_tables,
+                                    batch.prefill_seq_lens, batch.prefill_q_start,
+                                    batch.prefill_max_q_len, out=o[D:])
+        return linear(o.view(T, Hq * Dh), layer.o)

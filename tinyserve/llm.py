@@ -1,0 +1,92 @@
+"""Offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+Many prompts run as one continuously batched workload over the paged cache, through the same
+EngineCore step the server drives.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from tinyserve.config import EngineConfig
+from tinyserve.core.engine import CoreConfig, EngineCore
+from tinyserve.engine.engine import Engine
+from tinyserve.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Seq[int]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # generated tokens
+    text: str  # generated text, cut at a matched stop string
+    finish_reason: str  # "stop" | "length"
+    logprobs: list[dict[int, float]] | None  # per token: top-N alternatives and the chosen one
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 quantization: str | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, **engine_kwargs) -> None:
+        self.config = EngineConfig(model=model, dtype=dtype, quantization=quantization,
+                                   block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                   **engine_kwargs)
+        self.engine = Engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self.info = self.engine.info
+        self.core = EngineCore(core_config(self.config, self.engine), self.tokenizer)
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        seqs = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                seqs.append(self.core.add_request(ids, p))
+            while self.core.has_unfinished:
+                plan = self.core.schedule()
+                if plan is None:
+                    raise RuntimeError("scheduler made no progress with work pending")
+                self.core.process(plan, self.engine.runner.execute(plan))
+        except BaseException:
+            for seq in seqs:
+                self.core.abort(seq.seq_id)
+            raise
+        return [self._output(seq) for seq in seqs]
+
+    def _output(self, seq) -> RequestOutput:
+        detok = self.core.release(seq.seq_id)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = []
+            for token, (lp, top) in zip(seq.output_token_ids, seq.logprobs, strict=True):
+                entry = dict(top or ())
+                entry[token] = lp
+                logprobs.append(entry)
+        return RequestOutput(seq.prompt_token_ids, tuple(seq.output_token_ids),
+                             detok.text if detok else "", seq.finish_reason or "abort", logprobs,
+                             seq.num_cached_tokens)
+
+
+def core_config(cfg: EngineConfig, engine: Engine) -> CoreConfig:
+    info = engine.info
+    return CoreConfig(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                      max_num_seqs=cfg.max_num_seqs,
+                      max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                      eos_token_ids=info.eos_token_ids,
+                      enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed)
