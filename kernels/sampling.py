@@ -8,12 +8,13 @@ Per row r of logits x [B, V] (fp32):
                e = exp(z - max z) over kept;  keep e >= u* where u* is the smallest cut with
                sum(e > u*) < top_p * sum(e)          (HF/vLLM top-p: drop the tail whose
                                                       complement already holds top_p)
+               (tokens tied at the cut are kept together; a sort would split them arbitrarily)
                token = argmax_kept (z - log(-log(U))),  U ~ Philox(seed_r, v)   (Gumbel-max:
                an exact draw from softmax(z) renormalised over the kept set)
 
-Thresholds are found without sorting (a vocabulary of 128K does not fit one block): a binary
-search over the order-preserving int32 image of the floats, counting (top-k) or summing
-(top-p) over the vocabulary in chunks per probe. 32 probes give the exact k-th value.
+Thresholds are found without sorting (a vocabulary of 128K does not fit one block): a 16-way
+bisection over the order-preserving int32 image of the floats, counting (top-k) or summing
+(top-p) over the vocabulary in chunks per round. 8 rounds give the exact k-th value.
 ``top_logprobs`` picks the N best by repeated chunked argmax under the order (value desc,
 index asc), which needs no sort either.
 Layouts: logits [B, V] fp32 (unit column stride); temperature, top_p [B] fp32; top_k [B] int32;
@@ -79,47 +80,61 @@ def _sample_kernel(
         inv_t = 1.0 / tl.where(temp > 0.0, temp, 1.0)
         z_max = m * inv_t
 
-        # top-k: the k-th largest ordered key, by bisection on [INT32_MIN, INT32_MAX].
+        # Both thresholds are found by 16-way bisection: each probe counts (top-k) or sums
+        # (top-p) against 16 cut points at once, so 8 rounds cover the 32-bit key space.
+        fan = tl.arange(0, 16).to(tl.int64)
+
+        # top-k: the largest cut t with count(key >= t) >= k, i.e. the k-th largest key.
         k_cut = tl.full([BLOCK_B], -2147483648, tl.int64)
         if APPLY_TOP_K:
             k = tl.load(top_k_ptr + offs_b, mask=b_ok, other=0).to(tl.int64)
             k = tl.where((k <= 0) | (k > V), V, k)
-            lo = tl.full([BLOCK_B], -2147483648, tl.int64)
+            lo = tl.full([BLOCK_B], -2147483648, tl.int64)  # count(key >= lo) >= k holds
             hi = tl.full([BLOCK_B], 2147483647, tl.int64)
-            for _ in range(32):
-                mid = lo + (hi - lo + 1) // 2
-                cnt = tl.zeros([BLOCK_B], tl.int64)
+            for _ in range(8):
+                step = (hi - lo + 16) // 16
+                cuts = lo[:, None] + fan[None, :] * step[:, None]  # [BLOCK_B, 16]
+                cnt = tl.full([BLOCK_B, 16], 0, tl.int64)
                 for start in range(0, V, BLOCK_V):
                     z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
-                    ge = (_ordered_key(z).to(tl.int64) >= mid[:, None]) & mask[None, :]
-                    cnt += tl.sum(ge.to(tl.int64), axis=1)
-                lo = tl.where(cnt >= k, mid, lo)
-                hi = tl.where(cnt >= k, hi, mid - 1)
+                    key = _ordered_key(z).to(tl.int64)
+                    ge = (key[:, None, :] >= cuts[:, :, None]) & mask[None, None, :]
+                    cnt += tl.sum(ge.to(tl.int64), axis=2)
+                ok = (cnt >= k[:, None]) & (cuts <= hi[:, None])
+                j = tl.max(tl.where(ok, fan[None, :], 0), axis=1)
+                lo = lo + j * step
+                hi = tl.minimum(hi, lo + step - 1)
             k_cut = lo
 
-        # top-p: the smallest cut u on e = exp(z - z_max) (positive floats: int bits ordered).
-        p_cut = tl.zeros([BLOCK_B], tl.int64)
+        # top-p: the smallest cut u on e = exp(z - z_max) (positive floats: int bits ordered)
+        # with mass(e > u) < top_p * mass(kept).
+        p_cut = tl.full([BLOCK_B], 0, tl.int64)
         if APPLY_TOP_P:
             top_p = tl.load(top_p_ptr + offs_b, mask=b_ok, other=1.0)
-            total = tl.zeros([BLOCK_B], tl.float32)
+            total = tl.full([BLOCK_B], 0.0, tl.float32)
             for start in range(0, V, BLOCK_V):
                 z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
                 kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) & mask[None, :]
                 total += tl.sum(tl.where(kept, tl.exp(z - z_max[:, None]), 0.0), axis=1)
             goal = top_p * total
-            lo = tl.zeros([BLOCK_B], tl.int64)
-            hi = tl.full([BLOCK_B], 0x3F800000, tl.int64)
-            for _ in range(31):
-                mid = (lo + hi) // 2
-                above = tl.zeros([BLOCK_B], tl.float32)
+            lo = tl.full([BLOCK_B], 0, tl.int64)
+            hi = tl.full([BLOCK_B], 0x3F800000, tl.int64)  # mass(e > 1.0) = 0 < goal holds
+            for _ in range(8):
+                step = (hi - lo + 16) // 16
+                cuts = lo[:, None] + fan[None, :] * step[:, None]
+                above = tl.full([BLOCK_B, 16], 0.0, tl.float32)
                 for start in range(0, V, BLOCK_V):
                     z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
                     e = tl.exp(z - z_max[:, None])
                     kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) & mask[None, :]
-                    gt = kept & (e.to(tl.int32, bitcast=True).to(tl.int64) > mid[:, None])
-                    above += tl.sum(tl.where(gt, e, 0.0), axis=1)
-                hi = tl.where(above < goal, mid, hi)
-                lo = tl.where(above < goal, lo, mid + 1)
+                    e_key = e.to(tl.int32, bitcast=True).to(tl.int64)
+                    gt = kept[:, None, :] & (e_key[:, None, :] > cuts[:, :, None])
+                    above += tl.sum(tl.where(gt, e[:, None, :], 0.0), axis=2)
+                ok = (above < goal[:, None]) & (cuts <= hi[:, None])
+                j = tl.min(tl.where(ok, fan[None, :], 16), axis=1)  # first cut below the goal
+                new_lo = tl.where(j == 0, lo, lo + (j - 1) * step + 1)
+                hi = tl.where(j == 16, hi, lo + j * step)
+                lo = new_lo
             p_cut = tl.where(top_p < 1.0, lo, 0)
 
         # Gumbel-max draw over the kept set.

@@ -105,3 +105,23 @@ def test_mixed_greedy_and_sampled_rows(device):
     assert all(int(tok) in top3[i].tolist() for i, tok in enumerate(tokens[1::2]))
     ref_lp = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("values,top_k,top_p,expected", [
+    # A tie at the k-th value is kept (as HF's top-k does).
+    ([-0.5, -0.9, -0.9, -1.2, -7.0, -9.0, -8.0, -30.0], 2, 1.0, {0, 1, 2}),
+    # probs ~ .360 .242 .219 .179 ...: mass ranked above tokens 1, 2, 3 = .360, .602, .820
+    ([-0.5, -0.9, -1.0, -1.2, -7.0, -9.0, -8.0, -30.0], 0, 0.5, {0, 1}),
+    ([-0.5, -0.9, -1.0, -1.2, -7.0, -9.0, -8.0, -30.0], 0, 0.65, {0, 1, 2}),
+    ([-0.5, -0.9, -1.0, -1.2, -7.0, -9.0, -8.0, -30.0], 0, 0.3, {0}),
+    ([-0.5, -0.9, -1.0, -1.2, -7.0, -9.0, -8.0, -30.0], 5, 0.999, {0, 1, 2, 3}),
+])
+def test_kept_set_is_exact_with_ties_and_negative_logits(device, values, top_k, top_p, expected):
+    B = 512
+    row = torch.tensor([values])
+    logits = row.repeat(B, 1).to(device)
+    tokens, *_ = sample(logits, *params(B, device, 1.0, top_k, top_p),
+                        any_top_k=top_k > 0, any_top_p=top_p < 1.0)
+    keep, _ = ref_kept(row.to(device), 1.0, top_k, top_p)
+    assert set(torch.nonzero(keep[0]).flatten().tolist()) == expected
+    assert set(tokens.tolist()) == expected  # 512 draws reach every kept token, nothing else

@@ -19,7 +19,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.prefix_queries = 0  # prompt tokens looked up (first admission of each request)
+        self.prefix_queries = 0  # prompt tokens of admitted requests
         self.prefix_hits = 0  # of those, tokens served from the cache
 
     def match_prefix(self, seq: Sequence) -> int:
@@ -37,11 +37,14 @@ class KVCacheManager:
         seq.block_ids = hits
         seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = seq.num_computed_tokens
-            self.prefix_queries += seq.num_prompt_tokens
-            self.prefix_hits += min(seq.num_computed_tokens, seq.num_prompt_tokens)
         return seq.num_computed_tokens
+
+    def record_admission(self, seq: Sequence) -> None:
+        """Count a request's prefix lookup once, when it is first admitted (not on the retries
+        of a blocked queue head, nor on recomputes after preemption)."""
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.prefix_queries += seq.num_prompt_tokens
+        self.prefix_hits += seq.num_cached_tokens
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for ``num_new_tokens`` more tokens; False (nothing taken) if the pool is dry."""

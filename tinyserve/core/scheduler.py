@@ -129,6 +129,8 @@ class Scheduler:
                 self.kv.free(seq)  # give back the prefix references until blocks free up
                 break
             self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                self.kv.record_admission(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chosen.append((seq, n))

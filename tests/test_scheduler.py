@@ -1,0 +1,244 @@
+"""Scheduler + KV cache manager on a fake executor: no model, no torch.
+
+The fake executor keeps a fake KV cache whose slot for position p holds a fingerprint of the
+sequence's tokens [0..p] (real K/V at p depends on exactly those). Every step it checks that
+each sequence reads back its own fingerprints through its block table: a prefix-cache hit, a
+preemption or a chunk boundary that corrupted or mixed up KV would fail here. The sampled
+token is a function of the sequence's tokens only, so outputs must not depend on batching.
+"""
+
+import hashlib
+
+import pytest
+
+from tinyserve.core.block_pool import BlockPool
+from tinyserve.core.kv_manager import KVCacheManager
+from tinyserve.core.scheduler import Scheduler, SchedulerConfig
+from tinyserve.core.sequence import Sequence
+from tinyserve.engine.sampling import SamplingParams
+from tinyserve.messages import SeqOutput, StepPlan, StepResult
+
+VOCAB = 1000
+EOS = 999
+
+
+def fingerprint(tokens) -> bytes:
+    return hashlib.blake2b(bytes(str(list(tokens)), "ascii"), digest_size=8).digest()
+
+
+class FakeExecutor:
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.kv: dict[int, bytes] = {}
+        self.tokens_by_seq: dict[int, list[int]] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        outs = []
+        for s in plan.seqs:
+            toks = self.tokens_by_seq[s.seq_id]
+            end = s.start_pos + len(s.token_ids)
+            assert list(s.token_ids) == toks[s.start_pos:end]
+            assert len(s.block_table) * self.bs >= end
+            for p in range(s.start_pos):  # read: the cached context must be this sequence's
+                slot = s.block_table[p // self.bs] * self.bs + p % self.bs
+                assert self.kv.get(slot) == fingerprint(toks[: p + 1]), (s.seq_id, p)
+            for p in range(s.start_pos, end):  # write this step's tokens
+                slot = s.block_table[p // self.bs] * self.bs + p % self.bs
+                self.kv[slot] = fingerprint(toks[: p + 1])
+            if s.sample:
+                outs.append(SeqOutput(s.seq_id, int.from_bytes(fingerprint(toks[:end]), "big")
+                                      % (VOCAB - 1), 0.0))
+        return StepResult(plan.step_id, tuple(outs))
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64,
+                   prefix=True):
+    kv = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=prefix)
+    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, frozenset({EOS}))
+    return Scheduler(cfg, kv), FakeExecutor(block_size)
+
+
+def create_requests(n, num_tokens, max_tokens=8, start_id=0, shared_prefix=()):
+    return [Sequence(start_id + i, tuple(shared_prefix) + tuple(
+        (7 * (start_id + i) + j) % (VOCAB - 1) for j in range(num_tokens)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0), seed=0) for i in range(n)]
+
+
+def run(sched, ex, seqs, max_steps=10_000, on_step=None):
+    for s in seqs:
+        sched.add(s)
+        ex.tokens_by_seq[s.seq_id] = s.token_ids  # the same list: sees appended tokens
+    steps = 0
+    while sched.has_unfinished:
+        plan = sched.schedule()
+        assert plan is not None, "no progress with work pending"
+        assert plan.num_tokens <= sched.cfg.max_num_batched_tokens
+        assert len(plan.seqs) <= sched.cfg.max_num_seqs
+        sched.update(plan, ex.execute(plan))
+        sched.kv.pool.check_integrity()
+        if on_step:
+            on_step(plan)
+        steps += 1
+        assert steps < max_steps
+    return {s.seq_id: (tuple(s.output_token_ids), s.finish_reason) for s in seqs}
+
+
+def test_all_requests_finish_with_length_and_free_every_block():
+    sched, ex = make_scheduler()
+    seqs = create_requests(6, num_tokens=10, max_tokens=5)
+    out = run(sched, ex, seqs)
+    assert all(len(t) == 5 and r == "length" for t, r in out.values())
+    assert sched.kv.pool.usage == 0.0
+
+
+def test_decodes_and_prefill_chunks_share_a_step_under_the_token_budget():
+    sched, ex = make_scheduler(budget=10)
+    kinds = []
+    run(sched, ex, create_requests(3, num_tokens=17, max_tokens=4),
+        on_step=lambda plan: kinds.append(sorted(len(s.token_ids) for s in plan.seqs)))
+    assert any(1 in k and max(k) > 1 for k in kinds), kinds  # a mixed step happened
+    assert all(sum(k) <= 10 for k in kinds)
+
+
+def test_chunked_prefill_samples_only_at_the_end_of_the_prompt():
+    sched, ex = make_scheduler(budget=8)
+    plans = []
+    run(sched, ex, create_requests(1, num_tokens=20, max_tokens=2), on_step=plans.append)
+    chunks = [(p.seqs[0].start_pos, len(p.seqs[0].token_ids), p.seqs[0].sample) for p in plans]
+    assert chunks[:3] == [(0, 8, False), (8, 8, False), (16, 4, True)]
+
+
+def test_outputs_do_not_depend_on_budget_or_batching():
+    seqs_a = create_requests(5, num_tokens=13, max_tokens=6)
+    seqs_b = create_requests(5, num_tokens=13, max_tokens=6)
+    a = run(*make_scheduler(budget=64, max_num_seqs=8), seqs_a)
+    b = run(*make_scheduler(budget=5, max_num_seqs=2), seqs_b)
+    assert a == b
+
+
+def test_prefix_cache_hit_computes_only_the_tail():
+    sched, ex = make_scheduler(block_size=16, num_blocks=32, max_model_len=128)
+    prefix = tuple(range(100, 164))  # 64 tokens = 4 full blocks
+    [first] = create_requests(1, 10, max_tokens=2, shared_prefix=prefix)
+    run(sched, ex, [first])
+    computed_before = sched.num_prompt_tokens_computed
+    [second] = create_requests(1, 7, max_tokens=2, start_id=1, shared_prefix=prefix)
+    plans = []
+    run(sched, ex, [second], on_step=plans.append)
+    assert second.num_cached_tokens == 64
+    assert plans[0].seqs[0].start_pos == 64
+    assert sched.num_prompt_tokens_computed - computed_before == 7
+    assert sched.kv.prefix_hits == 64 and sched.kv.prefix_queries == 74 + 71
+
+
+def test_prefix_cache_respects_the_salt():
+    sched, ex = make_scheduler(block_size=16, num_blocks=32, max_model_len=128)
+    prefix = tuple(range(100, 164))
+    [a] = create_requests(1, 10, shared_prefix=prefix)
+    [b] = create_requests(1, 10, start_id=1, shared_prefix=prefix)
+    b.cache_salt = b"other-tenant"
+    run(sched, ex, [a])
+    run(sched, ex, [b])
+    assert b.num_cached_tokens == 0
+
+
+def test_full_prompt_hit_still_computes_the_last_token():
+    sched, ex = make_scheduler(block_size=4)
+    [a] = create_requests(1, 8, max_tokens=1)
+    [b] = create_requests(1, 8, max_tokens=1)
+    b.seq_id = 1
+    run(sched, ex, [a])
+    plans = []
+    run(sched, ex, [b], on_step=plans.append)
+    assert plans[0].seqs[0].start_pos == 4 and b.num_cached_tokens == 4  # not 8
+    assert b.output_token_ids == a.output_token_ids
+
+
+def test_preemption_under_a_tiny_pool_loses_nothing():
+    big = run(*make_scheduler(num_blocks=256), create_requests(8, num_tokens=14, max_tokens=12))
+    sched, ex = make_scheduler(num_blocks=12, block_size=4, max_model_len=32)
+    small = run(sched, ex, create_requests(8, num_tokens=14, max_tokens=12))
+    assert small == big
+    assert sched.num_preemptions > 0
+    assert sched.kv.pool.usage == 0.0
+
+
+def test_recompute_after_preemption_is_not_counted_as_a_request_hit():
+    sched, ex = make_scheduler(num_blocks=12, block_size=4, max_model_len=32)
+    seqs = create_requests(8, num_tokens=14, max_tokens=12)
+    run(sched, ex, seqs)
+    assert any(s.num_preemptions for s in seqs)
+    assert sched.kv.prefix_hits == 0 and sched.kv.prefix_queries == 8 * 14
+
+
+def test_abort_frees_blocks_mid_run():
+    sched, ex = make_scheduler()
+    seqs = create_requests(3, num_tokens=10, max_tokens=20)
+    for s in seqs:
+        sched.add(s)
+        ex.tokens_by_seq[s.seq_id] = s.token_ids
+    plan = sched.schedule()
+    sched.update(plan, ex.execute(plan))
+    assert sched.kv.pool.usage > 0
+    sched.abort(1)
+    assert seqs[1].finish_reason == "abort" and seqs[1].block_ids == []
+    for s in (seqs[0], seqs[2]):
+        sched.abort(s.seq_id)
+    assert sched.kv.pool.usage == 0.0 and not sched.has_unfinished
+    sched.kv.pool.check_integrity()
+
+
+def test_results_for_an_aborted_sequence_are_ignored():
+    sched, ex = make_scheduler()
+    [seq] = create_requests(1, num_tokens=5)
+    sched.add(seq)
+    ex.tokens_by_seq[0] = seq.token_ids
+    plan = sched.schedule()
+    result = ex.execute(plan)
+    sched.abort(0)  # the client went away while the step ran
+    assert sched.update(plan, result) == []
+    assert seq.output_token_ids == []
+
+
+def test_step_error_finishes_its_sequences_with_error():
+    sched, ex = make_scheduler()
+    seqs = create_requests(2, num_tokens=5)
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()
+    updated = sched.update(plan, StepResult(plan.step_id, (), error="boom"))
+    assert {s.finish_reason for s in updated} == {"error"}
+    assert sched.kv.pool.usage == 0.0
+
+
+def test_eos_and_max_model_len_stop_sequences():
+    sched, ex = make_scheduler(max_model_len=16)
+    [seq] = create_requests(1, num_tokens=10, max_tokens=100)
+    out = run(sched, ex, [seq])
+    assert out[0][1] == "length" and seq.num_tokens == 16
+    sched2, _ = make_scheduler()
+    [s2] = create_requests(1, num_tokens=3)
+    sched2.add(s2)
+    plan = sched2.schedule()
+    sched2.update(plan, StepResult(plan.step_id, (SeqOutput(0, EOS, 0.0),)))
+    assert s2.finish_reason == "stop"
+
+
+def test_prompt_longer_than_the_context_is_rejected():
+    sched, _ = make_scheduler(max_model_len=16)
+    [seq] = create_requests(1, num_tokens=16)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(seq)
+
+
+def test_pool_smaller_than_one_full_sequence_is_rejected():
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_scheduler(num_blocks=3, block_size=4, max_model_len=64)
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched, ex = make_scheduler(max_num_seqs=2)
+    seen = []
+    run(sched, ex, create_requests(5, num_tokens=4, max_tokens=3),
+        on_step=lambda plan: seen.append(len(plan.seqs)))
+    assert max(seen) == 2
