@@ -7,8 +7,13 @@ import torch
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
-from tinyserve.engine.loader import (ModelLoadError, load_model_config, load_weights,
-                                     quantize_int8, rope_inv_freq)
+from tinyserve.engine.loader import (
+    ModelLoadError,
+    load_model_config,
+    load_weights,
+    quantize_int8,
+    rope_inv_freq,
+)
 
 
 @pytest.fixture

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     print(f"device: {name}; ceilings: copy {gbps:.0f} GB/s, {shapes['dtype']} matmul "
           f"{tflops:.1f} TFLOP/s")
-    print(f"| kernel | triton ms | torch ms | GB/s | % copy | TFLOP/s | % matmul |")
+    print("| kernel | triton ms | torch ms | GB/s | % copy | TFLOP/s | % matmul |")
     print("|---|---|---|---|---|---|---|")
     for c in build_cases(shapes, device):
         t = timeit(c.run, device)

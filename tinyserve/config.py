@@ -50,3 +50,29 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP front end and its admission control."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model directory's name
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_waiting: int = 256  # requests queued beyond max_num_seqs before 429s
+    batch_timeout_ms: float = 0.0  # how long an idle engine waits to batch new arrivals
+    drain_timeout_s: float = 30.0  # SIGTERM: time running requests get to finish
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.batch_timeout_ms < 0:
+            raise ValueError(f"batch_timeout_ms must be >= 0, got {self.batch_timeout_ms}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")

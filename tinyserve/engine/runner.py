@@ -8,6 +8,7 @@ device-to-host copy per step, for the sampled tokens).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +59,13 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(kv_spec, device)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
         batch, sampled = self.pack(seqs)
         logits = self.model.forward(batch, self.kv_cache)
         outputs = self._sample(logits, sampled)
-        return StepResult(step_id=plan.step_id, outputs=outputs)
+        return StepResult(step_id=plan.step_id, outputs=outputs,
+                          seconds=time.perf_counter() - t0)
 
     def pack(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         bs = self.kv_spec.block_size

@@ -52,6 +52,7 @@ class Tokenizer:
         self.chat_template: str | None = template
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._compiled_template = None
+        self._token_text: dict[int, str] = {}
 
     def add_eos_ids(self, ids: list[int] | tuple[int, ...]) -> None:
         self.eos_token_ids = self.eos_token_ids | frozenset(ids)
@@ -65,6 +66,28 @@ class Tokenizer:
 
     def decode(self, ids: list[int] | tuple[int, ...], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, with the leading space that a SentencePiece decode of the token
+        alone strips (so that the pieces of a completion concatenate to its text)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            piece = self._tok.id_to_token(token_id) or ""
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            if piece.startswith("\u2581") and not text.startswith(" "):
+                text = " " + text
+            self._token_text[token_id] = text
+        return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's UTF-8 bytes (a byte-fallback piece <0xNN> is that one byte)."""
+        piece = self._tok.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return [int(piece[3:5], 16)]
+            except ValueError:
+                pass
+        return list(self.token_text(token_id).encode("utf-8"))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:

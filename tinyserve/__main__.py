@@ -1,0 +1,112 @@
+"""``python -m tinyserve``: parse the command line into configs and run the server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+# Before numpy/torch load: numpy threads inside Triton's CPU interpreter only slow it down.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from tinyserve.config import EngineConfig, ServerConfig  # noqa: E402
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tinyserve",
+        description="OpenAI-compatible LLM server over a pure-Triton Llama engine. "
+                    "With no --model it serves a tiny built-in demo model (random weights).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=None,
+                   help="Hugging Face Llama model directory (config.json, *.safetensors, "
+                        "tokenizer.json); omit to serve the built-in demo model")
+    m.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` (default: the directory's name)")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weight and activation dtype; auto is float32 on CPU, the checkpoint's "
+                        "half type on GPU")
+    m.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only, per output channel; about halves weight memory "
+                        "and decode weight traffic vs fp16")
+    m.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="default: cuda if available (the CPU runs Triton's interpreter: slow)")
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion accepted, in tokens (default: the model's)")
+    c = p.add_argument_group("capacity and batching")
+    c.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most requests decoded together in one step (max concurrency on the GPU)")
+    c.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step; long prompts are prefilled in chunks of this "
+                        "size so they do not stall running streams")
+    c.add_argument("--batch-timeout-ms", type=float, default=0.0,
+                   help="how long an idle engine waits for more requests before starting a "
+                        "batch; trades first-token latency for throughput under bursts")
+    c.add_argument("--max-waiting", type=int, default=256,
+                   help="requests allowed to queue beyond --max-num-seqs; more get 429")
+    k = p.add_argument_group("KV cache")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    kv = k.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="KV capacity in blocks (capacity in tokens = blocks x block size)")
+    kv.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                    help="KV capacity as memory, e.g. 8GiB (default: 90%% of free GPU memory, "
+                         "or enough for max-num-seqs full-length requests on CPU)")
+    k.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse KV blocks of identical prompt prefixes")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    s.add_argument("--api-key", default=os.environ.get("TINYSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env TINYSERVE_API_KEY)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests get to finish before abort")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="log verbosity")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_cfg = EngineConfig(
+            model=args.model, dtype=args.dtype, quantization=args.quantization,
+            device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching)
+        server_cfg = ServerConfig(
+            host=args.host, port=args.port, served_model_name=args.served_model_name,
+            api_key=args.api_key, max_waiting=args.max_waiting,
+            batch_timeout_ms=args.batch_timeout_ms, drain_timeout_s=args.drain_timeout,
+            log_level=args.log_level)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from tinyserve.server import serve
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        import asyncio
+
+        return asyncio.run(serve(server_cfg, engine_cfg))
+    return uvloop.run(serve(server_cfg, engine_cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

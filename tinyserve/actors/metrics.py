@@ -1,0 +1,147 @@
+"""Metrics actor: owns the Prometheus registry; other actors send it events.
+
+Names follow vLLM's (``vllm:`` -> ``tinyserve:``) so dashboards and routers map one to one.
+Events are sent with ``emit`` (never blocks: a full inbox drops the event and counts it), so
+observability can never stall the data path. Counters are fed cumulative totals and
+turned into increments here, so a dropped StepStats loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from tinyserve.messages import RequestFailed, RequestFinished, StepStats
+
+log = logging.getLogger(__name__)
+
+P = "tinyserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len."""
+    out, base = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if base * m > max_len:
+                return out
+            out.append(base * m)
+        base *= 10
+
+
+class Metrics:
+    def __init__(self, max_model_len: int, max_num_batched_tokens: int, inbox_size: int = 10_000):
+        r = self.registry = CollectorRegistry()
+        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_size)
+        tb = token_buckets(max_model_len)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling",
+                               buckets=TTFT_BUCKETS, registry=r)
+        self.prompt_hist = Histogram(P + "request_prompt_tokens", "Prompt tokens per request",
+                                     buckets=tb, registry=r)
+        self.gen_hist = Histogram(P + "request_generation_tokens", "Output tokens per request",
+                                  buckets=tb, registry=r)
+        self.iter_tokens = Histogram(P + "iteration_tokens", "Tokens computed per step",
+                                     buckets=token_buckets(max_num_batched_tokens), registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests in the running batch",
+                             registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting to run", registry=r)
+        self.kv_usage = Gauge(P + "kv_cache_usage_perc",
+                              "KV blocks referenced by live requests (0-1); cached but "
+                              "unreferenced blocks count as free", registry=r)
+        self.cache_info = Info(P + "cache_config", "KV cache configuration", registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.gen_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
+        self.prefix_queries = Counter(P + "prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits",
+                                   "Prompt tokens served by the prefix cache", registry=r)
+        self.prompt_computed = Counter(P + "prompt_tokens_computed",
+                                       "Prompt tokens run through the model (prefix-cache hits "
+                                       "excluded, recomputes after preemption included)",
+                                       registry=r)
+        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted", registry=r)
+        self.success = Counter(P + "request_success", "Finished requests",
+                               ["finished_reason"], registry=r)
+        self.errors = Counter(P + "request_errors", "Requests answered with an error",
+                              ["code"], registry=r)
+        self.dropped = Counter(P + "metrics_events_dropped", "Metric events dropped (full inbox)",
+                               registry=r)
+        self._totals = {"preemptions": 0, "prompt_tokens_computed": 0, "prefix_queries": 0,
+                        "prefix_hits": 0}
+
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        self.cache_info.info({"block_size": str(block_size), "num_blocks": str(num_blocks)})
+
+    def emit(self, event: StepStats | RequestFinished | RequestFailed) -> None:
+        try:
+            self.inbox.put_nowait(event)
+        except asyncio.QueueFull:
+            self.dropped.inc()
+
+    async def run(self) -> None:
+        while True:
+            self._apply(await self.inbox.get())
+
+    def flush(self) -> None:
+        """Apply every queued event now (before a scrape, so it sees up-to-date values)."""
+        while not self.inbox.empty():
+            self._apply(self.inbox.get_nowait())
+
+    def render(self) -> bytes:
+        self.flush()
+        return generate_latest(self.registry)
+
+    def _apply(self, ev) -> None:
+        try:
+            match ev:
+                case StepStats():
+                    if ev.num_tokens:
+                        self.iter_tokens.observe(ev.num_tokens)
+                    self.running.set(ev.num_running)
+                    self.waiting.set(ev.num_waiting)
+                    self.kv_usage.set(ev.kv_usage)
+                    self._advance(self.preemptions, "preemptions", ev.preemptions)
+                    self._advance(self.prompt_computed, "prompt_tokens_computed",
+                                  ev.prompt_tokens_computed)
+                    self._advance(self.prefix_queries, "prefix_queries", ev.prefix_queries)
+                    self._advance(self.prefix_hits, "prefix_hits", ev.prefix_hits)
+                case RequestFinished():
+                    self.success.labels(finished_reason=ev.finish_reason).inc()
+                    self.prompt_tokens.inc(ev.prompt_tokens)
+                    self.gen_tokens.inc(ev.generation_tokens)
+                    self.prompt_hist.observe(ev.prompt_tokens)
+                    self.gen_hist.observe(ev.generation_tokens)
+                    self.e2e.observe(ev.e2e_seconds)
+                    if ev.queue_seconds is not None:
+                        self.queue.observe(ev.queue_seconds)
+                    if ev.ttft_seconds is not None:
+                        self.ttft.observe(ev.ttft_seconds)
+                    for gap in ev.itl_seconds:
+                        self.itl.observe(gap)
+                case RequestFailed():
+                    self.errors.labels(code=ev.code).inc()
+                case _:
+                    log.warning("metrics: unknown event %r", ev)
+        except Exception:  # a bad event is logged; the actor keeps running
+            log.exception("metrics: failed to apply %r", ev)
+
+    def _advance(self, counter: Counter, key: str, total: int) -> None:
+        delta = total - self._totals[key]
+        if delta > 0:
+            counter.inc(delta)
+            self._totals[key] = total

@@ -1,0 +1,247 @@
+"""OpenAI wire types (msgspec Structs) and the error envelope.
+
+Requests decode straight into these types; unknown fields are ignored (clients send many we
+do not use). ``to_sampling_params`` is the one place where API fields become engine fields.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+from tinyserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+
+
+class ApiError(Exception):
+    """An error to return in the OpenAI envelope with this HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error",
+             404: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        return msgspec.json.encode({"error": {
+            "message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+            "param": self.param, "code": self.code}})
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM, TGI)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # extension (vLLM): for benchmarks
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]  # text, token ids, or a one-element list of either
+    logprobs: int | None = None
+    echo: bool = False
+
+
+_PARAM_RE = re.compile(r"at `\$\.([A-Za-z_]+)|missing required field `([A-Za-z_]+)`")
+
+
+def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """JSON body -> request struct; raises ApiError(400) naming the bad field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        m = _PARAM_RE.search(str(e))
+        param = (m.group(1) or m.group(2)) if m else None
+        raise ApiError(400, f"Invalid request: {e}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"Invalid JSON body: {e}") from None
+
+
+def message_text(msg: ChatMessage) -> str:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    parts = []
+    for p in msg.content:
+        if p.type != "text":
+            raise ApiError(400, f"content part type {p.type!r} is not supported (text only)",
+                           param="messages")
+        parts.append(p.text or "")
+    return "".join(parts)
+
+
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int
+                       ) -> SamplingParams:
+    if req.n != 1:
+        raise ApiError(400, "n: only n=1 is supported", param="n")
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = None
+        if req.logprobs:
+            logprobs = req.top_logprobs or 0
+        elif req.top_logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be <= {MAX_LOGPROBS}", param="top_logprobs")
+    else:
+        logprobs = req.logprobs
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise ApiError(400, str(e), param=field) from None
+
+
+# -- responses --------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ResponseMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    created: int = msgspec.field(default_factory=now)
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatChunkChoice]
+    created: int
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[CompletionChoice]
+    created: int
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int
+    created: int = msgspec.field(default_factory=now)
+    object: Literal["model"] = "model"
+    owned_by: str = "tinyserve"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
