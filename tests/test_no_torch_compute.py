@@ -8,10 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tinyserve.config import EngineConfig
-from tinyserve.core.engine import EngineCore
+from tinyserve.core.engine import CoreConfig, EngineCore
 from tinyserve.engine.engine import Engine
 from tinyserve.engine.sampling import SamplingParams
-from tinyserve.llm import core_config
 
 # Allocation, views, copies (host<->device, and the interpreter's own argument staging).
 ALLOWED = {
@@ -39,7 +38,7 @@ def test_engine_step_runs_no_torch_compute(tmp_path):
     write_tokenizer(tmp_path)
     cfg = EngineConfig(model=str(tmp_path), num_kv_blocks=16, max_model_len=128)
     engine = Engine(cfg)
-    core = EngineCore(core_config(cfg, engine), engine.tokenizer)
+    core = EngineCore(CoreConfig.from_engine(cfg, engine.info), engine.tokenizer)
     core.add_request([256, 1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
     core.add_request([256, 9, 8], SamplingParams(max_tokens=3, temperature=0.9, top_k=5,
                                                  top_p=0.8, logprobs=2))

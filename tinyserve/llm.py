@@ -40,7 +40,7 @@ class LLM:
         self.engine = Engine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.info = self.engine.info
-        self.core = EngineCore(core_config(self.config, self.engine), self.tokenizer)
+        self.core = EngineCore(CoreConfig.from_engine(self.config, self.info), self.tokenizer)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -81,12 +81,3 @@ class LLM:
                              detok.text if detok else "", seq.finish_reason or "abort", logprobs,
                              seq.num_cached_tokens)
 
-
-def core_config(cfg: EngineConfig, engine: Engine) -> CoreConfig:
-    info = engine.info
-    return CoreConfig(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
-                      max_num_seqs=cfg.max_num_seqs,
-                      max_num_batched_tokens=cfg.max_num_batched_tokens,
-                      max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                      eos_token_ids=info.eos_token_ids,
-                      enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed)

@@ -57,14 +57,13 @@ class Server:
         self.port = self._runner.addresses[0][1]
 
     async def load(self) -> None:
-        from tinyserve.core.engine import EngineCore
+        from tinyserve.core.engine import CoreConfig, EngineCore
         from tinyserve.engine.engine import Engine
-        from tinyserve.llm import core_config
 
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(None, Engine, self.engine_cfg)
         info = engine.info
-        core = EngineCore(core_config(self.engine_cfg, engine), engine.tokenizer)
+        core = EngineCore(CoreConfig.from_engine(self.engine_cfg, info), engine.tokenizer)
         capacity = self.engine_cfg.max_num_seqs + self.cfg.max_waiting
         self.metrics = Metrics(info.max_model_len, self.engine_cfg.max_num_batched_tokens)
         self.metrics.set_cache_config(info.block_size, info.num_kv_blocks)

@@ -11,6 +11,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.kv_manager import KVCacheManager
@@ -19,6 +20,10 @@ from tinyserve.core.sequence import Sequence
 from tinyserve.engine.sampling import SamplingParams
 from tinyserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyserve.messages import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from tinyserve.config import EngineConfig
+    from tinyserve.engine.engine import EngineInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,15 @@ class CoreConfig:
     eos_token_ids: frozenset[int]
     enable_prefix_caching: bool = True
     seed: int = 0
+
+    @classmethod
+    def from_engine(cls, cfg: EngineConfig, info: EngineInfo) -> CoreConfig:
+        """The scheduler's view of a loaded engine (sizes resolved at load time)."""
+        return cls(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
+                   max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                   eos_token_ids=info.eos_token_ids,
+                   enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed)
 
 
 class EngineCore:

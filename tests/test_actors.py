@@ -1,0 +1,166 @@
+"""The actor graph in-process with a fake model: admission, batcher, executor, metrics.
+
+No torch and no HTTP: the executor runs a fake step function (the scheduler test's fake KV
+executor), so these tests pin down the message flow and the failure handling.
+"""
+
+import asyncio
+import time
+
+import pytest
+
+from tests.test_scheduler import FakeExecutor
+from tinyserve.actors.admission import Admission
+from tinyserve.actors.batcher import Batcher
+from tinyserve.actors.executor import Executor
+from tinyserve.actors.metrics import Metrics
+from tinyserve.core.engine import CoreConfig, EngineCore
+from tinyserve.engine.demo import write_tokenizer
+from tinyserve.engine.sampling import SamplingParams
+from tinyserve.engine.tokenizer import Tokenizer
+from tinyserve.messages import Abort, Accepted, Output, Rejected, StepResult, Submit
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)
+    return Tokenizer(path)
+
+
+class Graph:
+    def __init__(self, tokenizer, execute=None, capacity=8, step_seconds=0.0):
+        self.step_seconds = step_seconds
+        cfg = CoreConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4,
+                         max_num_batched_tokens=32, max_model_len=64, vocab_size=259,
+                         eos_token_ids=frozenset({257}))
+        self.core = EngineCore(cfg, tokenizer)
+        self.fake = FakeExecutor(4)
+        self.metrics = Metrics(64, 32)
+        self.executor = Executor(execute or self._fake_step)
+        self.batcher = Batcher(self.core, self.executor.inbox, self.metrics, capacity)
+        self.executor.outbox = self.batcher.inbox
+        self.admission = Admission(self.batcher.inbox, lambda: self.batcher.num_requests,
+                                   capacity)
+        self.admission.ready = True
+
+    def _fake_step(self, plan):
+        time.sleep(self.step_seconds)
+        for s in plan.seqs:  # the fake KV executor checks tokens against the sequence
+            seq = self.core.scheduler.seqs[s.seq_id]
+            self.fake.tokens_by_seq[s.seq_id] = seq.token_ids
+        result = self.fake.execute(plan)
+        # byte-level demo vocabulary: keep tokens printable and away from EOS
+        outs = tuple(type(o)(o.seq_id, 97 + o.token_id % 26, o.logprob) for o in result.outputs)
+        return StepResult(plan.step_id, outs)
+
+    async def __aenter__(self):
+        self.executor.start()
+        self.tasks = [asyncio.ensure_future(a.run()) for a in (self.batcher, self.admission,
+                                                                self.metrics)]
+        return self
+
+    async def __aexit__(self, *exc):
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.executor.stop()
+
+    async def request(self, rid, prompt=(256, 104, 105), max_tokens=5):
+        replies = asyncio.Queue(maxsize=max_tokens + 4)
+        self.admission.inbox.put_nowait(Submit(rid, tuple(prompt), SamplingParams(
+            max_tokens=max_tokens, temperature=0.0), time.monotonic(), replies))
+        first = await replies.get()
+        if isinstance(first, Rejected):
+            return first, []
+        assert isinstance(first, Accepted)
+        outs = []
+        while True:
+            out = await asyncio.wait_for(replies.get(), 10)
+            outs.append(out)
+            if isinstance(out, Output) and out.finish_reason:
+                return first, outs
+
+
+def test_requests_flow_through_the_actors(tokenizer):
+    async def main():
+        async with Graph(tokenizer) as g:
+            results = await asyncio.gather(*(g.request(f"r{i}") for i in range(6)))
+            for _, outs in results:
+                assert outs[-1].finish_reason == "length"
+                assert outs[-1].completion_tokens == 5
+                assert "".join(o.text for o in outs)
+            assert g.batcher.num_requests == 0 and g.core.kv.usage == 0.0
+            text = g.metrics.render().decode()
+            assert 'tinyserve:request_success_total{finished_reason="length"} 6.0' in text
+    asyncio.run(main())
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tokenizer):
+    calls = {"n": 0}
+
+    async def main():
+        g = Graph(tokenizer)
+        fake_step = g._fake_step
+
+        def flaky(plan):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("CUDA error: an illegal memory access (simulated)")
+            return fake_step(plan)
+
+        g.executor._execute = flaky
+        async with g:
+            _, outs = await g.request("bad")
+            assert outs[-1].finish_reason == "error"
+            _, outs = await g.request("good")
+            assert outs[-1].finish_reason == "length"
+            assert g.executor.alive and g.core.kv.usage == 0.0
+    asyncio.run(main())
+
+
+def test_queue_bound_rejects_with_429_and_draining_with_503(tokenizer):
+    async def main():
+        async with Graph(tokenizer, capacity=1, step_seconds=0.01) as g:
+            slow = asyncio.ensure_future(g.request("long", max_tokens=40))
+            await asyncio.sleep(0.05)
+            rejected, _ = await g.request("second")
+            assert isinstance(rejected, Rejected) and rejected.status == 429
+            assert rejected.retry_after
+            await slow
+            g.admission.draining = True
+            rejected, _ = await g.request("late")
+            assert rejected.status == 503
+    asyncio.run(main())
+
+
+def test_abort_frees_blocks_and_ends_the_stream(tokenizer):
+    async def main():
+        async with Graph(tokenizer) as g:
+            replies = asyncio.Queue(maxsize=64)
+            g.admission.inbox.put_nowait(Submit("x", (256, 1, 2, 3, 4, 5), SamplingParams(
+                max_tokens=50, temperature=0.0), time.monotonic(), replies))
+            assert isinstance(await replies.get(), Accepted)
+            await replies.get()  # a first output: it is running
+            g.batcher.inbox.put_nowait(Abort("x"))
+            while True:
+                out = await asyncio.wait_for(replies.get(), 10)
+                if out.finish_reason:
+                    break
+            assert out.finish_reason == "abort"
+            await asyncio.sleep(0.05)
+            assert g.core.kv.usage == 0.0 and g.batcher.num_requests == 0
+    asyncio.run(main())
+
+
+def test_executor_death_is_visible(tokenizer):
+    async def main():
+        g = Graph(tokenizer)
+        g.executor.start()
+        assert g.executor.alive
+        g.executor._task.cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not g.executor.alive
+        await g.executor.stop()
+    asyncio.run(main())
