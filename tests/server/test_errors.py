@@ -46,6 +46,12 @@ def test_context_overflow_names_both_numbers(server):
     assert "500" in body["error"]["message"] and "100" in body["error"]["message"]
 
 
+def test_prompt_alone_beyond_the_context(server):
+    status, body, _ = run(post(server.url, "/v1/completions", completion([1] * 512, max_tokens=1)))
+    assert_envelope(status, body, 400, "prompt")
+    assert "512" in body["error"]["message"]
+
+
 def test_unknown_route_uses_the_envelope(server):
     status, body, _ = run(post(server.url, "/v1/embeddings", {"model": MODEL}))
     assert_envelope(status, body, 404)

@@ -157,13 +157,15 @@ class Ingress:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, param: str,
+                    prompt_param: str) -> int:
         max_len = self._engine_info().max_model_len
         if requested is not None and requested < 1:
             raise ApiError(400, f"{param} must be at least 1, got {requested}", param=param)
         if prompt_len >= max_len:
             raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
-                           f"However, your prompt has {prompt_len} tokens.", param="messages")
+                           f"However, your prompt has {prompt_len} tokens.", param=prompt_param,
+                           code="context_length_exceeded")
         if requested is None:
             return max_len - prompt_len
         if prompt_len + requested > max_len:
@@ -268,7 +270,7 @@ class Ingress:
         prompt_ids = self._encode_prompt(req)
         params = to_sampling_params(
             req, self._max_tokens(16 if req.max_tokens is None else req.max_tokens,
-                                  len(prompt_ids), "max_tokens"))
+                                  len(prompt_ids), "max_tokens", "prompt"))
         replies = await self._submit(request, prompt_ids, params, b"")
         cid = new_id("cmpl")
         created = now()
@@ -326,7 +328,8 @@ class Ingress:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = to_sampling_params(req, self._max_tokens(requested, len(prompt_ids), param))
+        params = to_sampling_params(req, self._max_tokens(requested, len(prompt_ids), param,
+                                                          "messages"))
         replies = await self._submit(request, prompt_ids, params, b"")
         cid = new_id("chatcmpl")
         created = now()
