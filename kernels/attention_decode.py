@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
 from tinyserve.kernels.utils import INTERPRET, check, dot_precision, next_pow2
 

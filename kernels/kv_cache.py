@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from tinyserve.kernels.utils import INTERPRET, check, next_pow2
 
 

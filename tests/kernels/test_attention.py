@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from tinyserve.kernels import context_attention_paged, token_attention_paged
 
 # (dtype, atol, rtol)

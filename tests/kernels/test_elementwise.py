@@ -3,6 +3,7 @@ KV-cache write. Shapes are deliberately awkward (not multiples of any block size
 
 import pytest
 import torch
+
 from tinyserve.kernels import add_rmsnorm, apply_rotary, gather_rows, silu_and_mul, write_kv_cache
 
 # (dtype, atol, rtol): fp32 must agree to rounding; fp16 to its ~1e-3 resolution.

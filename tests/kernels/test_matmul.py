@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from tinyserve.kernels import int8_matmul, matmul
 
 SHAPES = [(1, 64, 64), (5, 172, 64), (37, 513, 200), (130, 100, 300), (3, 1000, 17)]

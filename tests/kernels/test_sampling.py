@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from tinyserve.kernels import sample
 
 

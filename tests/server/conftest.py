@@ -33,15 +33,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, log_path: Path) -> None:
+    def __init__(self, *args: str, log_path: Path, model: Path | None = STORIES_DIR,
+                 env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = log_path
         self._log = open(log_path, "w")
+        model_args = ["--model", str(model)] if model else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tinyserve", "--model", str(STORIES_DIR), "--port",
-             str(self.port), "--log-level", "info", *args],
+            [sys.executable, "-m", "tinyserve", *model_args, "--port", str(self.port),
+             "--log-level", "info", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.wait_ready()
 

@@ -1,7 +1,7 @@
 """Kernel benchmark: each Triton kernel against its torch equivalent and its byte/FLOP floor.
 
-    python -m tinyserve.bench_kernels                    # GPU: Llama-3-8B shapes, bf16
-    python -m tinyserve.bench_kernels --shapes tiny      # CPU: interpreter smoke run
+    python loadtest/bench_kernels.py                     # GPU: Llama-3-8B shapes, bf16
+    python loadtest/bench_kernels.py --shapes tiny       # CPU: interpreter smoke run
 
 Prints time, achieved GB/s and TFLOP/s, and the share of the device's measured ceilings (copy
 bandwidth, dense matmul rate, both measured at start). On the CPU the kernels run in Triton's
