@@ -120,7 +120,7 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     check(out.shape == q.shape and out.stride(2) == 1, "out must match q")
     if B == 0:
         return out
-    block_n = block_n or (128 if INTERPRET else 64)
+    block_n = block_n or (128 if INTERPRET else 32 if q.dtype == torch.float32 else 64)
     split_size = split_size or default_split_size()
     check(split_size % block_n == 0, "split_size must be a multiple of block_n")
     num_splits = triton.cdiv(max_seq_len, split_size)

@@ -87,6 +87,8 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     if INTERPRET:
         block_m, default_n = 64, 128
+    elif q.dtype == torch.float32:  # no fp32 tensor-core path: smaller tiles avoid spills
+        block_m, default_n = max(1, 32 // hp.block_g), 32
     else:
         block_m, default_n = max(1, 64 // hp.block_g), 64
     block_n = block_n or default_n

@@ -1,0 +1,121 @@
+"""Compile every kernel for an NVIDIA Hopper GPU (sm_90) with the configurations the
+launchers choose on a GPU, without a GPU: the launchers run on CPU tensors with
+``JITFunction.run`` replaced by a recorder, and each recorded launch is bound and specialized
+exactly as the JIT would (stride-1 and 16-divisible arguments, pointer alignment), then
+compiled through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin via ptxas).
+With ``--resources`` it also prints registers / stack (spills) per kernel via cuobjdump.
+
+Run as a script in a process where TRITON_INTERPRET is unset (the test does that); prints one
+line per compiled variant and exits non-zero on the first failure.
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "must run without the interpreter"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+captured = []
+
+
+def record(self, *args, grid, warmup, **kwargs):
+    captured.append((self, args, kwargs))
+
+
+JITFunction.run = record
+
+import tinyserve.kernels as K  # noqa: E402
+from tinyserve.engine.loader import quantize_int8  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+
+
+def compile_like_the_jit(fn: JITFunction, args, kwargs):
+    """What JITFunction.run does before launching: bind, specialize, pack, compile."""
+    binder = create_function_from_signature(fn.signature, fn.params, BACKEND)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(BACKEND, kwargs, bound,
+                                                          specialization, options)
+    key = (fn.__name__, str(signature), str(constexprs), str(attrs), str(options))
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return key, constexprs, lambda: triton.compile(src, target=TARGET, options=options.__dict__)
+
+
+def exercise(dtype):
+    """Call every launcher with Llama-like GPU shapes (small sizes keep it quick)."""
+    T, D, Hq, Hk, Dh, I, V, B = 40, 256, 8, 2, 128, 512, 1000, 4
+    r = lambda *s, dt=dtype: torch.randn(*s).to(dt)  # noqa: E731
+    K.gather_rows(torch.zeros(T, dtype=torch.int64), r(V, D))
+    K.add_rmsnorm(r(T, D), r(D), 1e-5, residual=r(T, D))
+    qkv = r(T, (Hq + 2 * Hk) * Dh)
+    q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
+    k = qkv[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh)
+    v = qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh)
+    K.apply_rotary(q, k, torch.arange(T), torch.randn(T, Dh // 2), torch.randn(T, Dh // 2))
+    kc, vc = r(8, 16, Hk, Dh), r(8, 16, Hk, Dh)
+    K.write_kv_cache(k, v, kc, vc, torch.arange(T))
+    K.matmul(r(T, D), r(I, D))
+    lin = quantize_int8(torch.randn(I, D))
+    K.int8_matmul(r(T, D), lin.weight, lin.scale)
+    K.silu_and_mul(r(T, 2 * I))
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    K.context_attention_paged(r(T, Hq, Dh), kc, vc, tables, torch.tensor([20, 30], dtype=torch.int32),
+                              torch.tensor([0, 20, 40], dtype=torch.int32), 20)
+    for split in (None, 16):  # single split, and split-KV + merge
+        K.token_attention_paged(r(2, Hq, Dh), kc, vc, tables,
+                                torch.tensor([20, 60], dtype=torch.int32), 60,
+                                split_size=split, block_n=16 if split else None)
+    if dtype == torch.float32:
+        logits = torch.randn(B, V)
+        p = (torch.full((B,), 0.8), torch.full((B,), 5, dtype=torch.int32), torch.full((B,), 0.9),
+             torch.arange(B, dtype=torch.int64))
+        K.sample(logits, *p, num_top_logprobs=3)
+        K.sample(logits, *p, all_greedy=True)
+
+
+def resources(cubin: bytes) -> str:
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    line = next((x for x in out.splitlines() if "REG:" in x), "")
+    return " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "STACK", "SHARED"))
+
+
+def main() -> int:
+    show_resources = "--resources" in sys.argv
+    seen = set()
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        captured.clear()
+        exercise(dtype)
+        for fn, args, kwargs in captured:
+            key, consts, build = compile_like_the_jit(fn, args, kwargs)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                compiled = build()
+            except Exception as e:
+                print(f"FAIL {fn.__name__} {dtype}: {e}")
+                return 1
+            extra = resources(compiled.asm["cubin"]) if show_resources else \
+                f"shared memory {compiled.metadata.shared} B"
+            names = [p.name for p in fn.params]
+            flags = {names[k[0]]: v for k, v in consts.items() if names[k[0]][0].isupper()}
+            print(f"ok   {fn.__name__:34s} {str(dtype):15s} {extra}  {flags}")
+    print(f"{len(seen)} kernel variants compiled for sm_90")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
