@@ -22,6 +22,8 @@ KV is paged: key n of a sequence lives in block ``block_table[n // BLOCK_SIZE]``
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+
 
 @triton.jit
 def tile_layout(pid_h, num_kv_heads, head_dim, stride_kh,
@@ -91,8 +93,6 @@ class HeadParams:
     """Launcher-side view of the head layout shared by both attention kernels."""
 
     def __init__(self, q, k_cache, v_cache, block_tables, sm_scale: float | None):
-        from tinyserve.kernels.utils import INTERPRET, check, next_pow2
-
         check(q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, head_dim] with unit last stride")
         check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape
               and k_cache.stride() == v_cache.stride(),

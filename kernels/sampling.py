@@ -29,10 +29,6 @@ import triton.language as tl
 
 from tinyserve.kernels.utils import INTERPRET, check, next_pow2
 
-INT32_MIN = -(2**31)
-INT32_MAX = 2**31 - 1
-FP32_ONE_BITS = 0x3F800000
-
 
 @triton.jit
 def _ordered_key(x):

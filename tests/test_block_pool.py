@@ -87,17 +87,6 @@ def test_duplicate_content_stays_private():
     pool.check_integrity()
 
 
-def test_reset_prefix_cache_forgets_unreferenced_blocks():
-    pool = BlockPool(2, 16)
-    a, b = pool.allocate(2)
-    pool.register(a, h(1))
-    pool.register(b, h(2))
-    pool.release([a])
-    assert pool.reset_prefix_cache() == 1
-    assert pool.lookup([h(1)]) == [] and pool.num_cached == 1
-    pool.check_integrity()
-
-
 def test_block_hash_chains_and_salts():
     x = block_hash(None, [1, 2, 3])
     assert block_hash(None, [1, 2, 3]) == x

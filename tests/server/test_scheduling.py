@@ -7,7 +7,7 @@ import time
 import aiohttp
 
 from tests.server.conftest import get
-from tests.server.helpers import MODEL, completion, post, run
+from tests.server.helpers import completion, post, run
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
          "the park. One day, she saw a big, red ball. She wanted to play with it, but it was too "
@@ -143,4 +143,3 @@ def test_kv_usage_returns_to_zero_when_idle(server):
                  "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "num_preemptions_total", "request_success_total"):
         assert f"tinyserve:{name}" in text, name
-    assert MODEL  # (served name used by the helpers)

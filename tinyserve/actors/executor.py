@@ -25,7 +25,6 @@ class Executor:
         self.inbox: asyncio.Queue[StepPlan] = asyncio.Queue(maxsize=1)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-step")
         self._task: asyncio.Task | None = None
-        self.steps = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self.run(), name="executor")
@@ -43,7 +42,6 @@ class Executor:
             except Exception as e:  # a failed step must not take the server down
                 log.exception("step %d failed", plan.step_id)
                 result = StepResult(plan.step_id, (), error=f"{type(e).__name__}: {e}")
-            self.steps += 1
             await self.outbox.put(result)
 
     async def stop(self) -> None:

@@ -115,16 +115,6 @@ class BlockPool:
         self._hash[block] = h
         self._by_hash[h] = block
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached-but-unreferenced block (e.g. after weights change)."""
-        n = len(self._evictable)
-        for b in list(self._evictable):
-            del self._by_hash[self._hash[b]]
-            self._hash[b] = None
-            self._free.append(b)
-        self._evictable.clear()
-        return n
-
     def check_integrity(self) -> None:
         """Assert the invariants above; tests call it after every scheduler step."""
         free, evictable = set(self._free), set(self._evictable)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,7 +67,7 @@ class EngineCore:
                              f"[0, {self.cfg.vocab_size})")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(next(self._ids), tuple(prompt_token_ids), params, seed,
-                       cache_salt=cache_salt, arrival_time=time.monotonic())
+                       cache_salt=cache_salt)
         self.scheduler.add(seq)
         self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)

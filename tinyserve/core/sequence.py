@@ -33,7 +33,6 @@ class Sequence:
     params: SamplingParams
     seed: int
     cache_salt: bytes = b""
-    arrival_time: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission

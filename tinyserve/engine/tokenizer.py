@@ -50,7 +50,6 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         self.chat_template: str | None = template
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._compiled_template = None
         self._token_text: dict[int, str] = {}
 
