@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
-STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260k"
+from tinyserve.models import STORIES260K as STORIES_DIR  # noqa: E402  (ships in the package)
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +35,6 @@ def device() -> str:
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    if not (STORIES_DIR / "model.safetensors").exists():
-        pytest.skip(f"stories260k fixture not found at {STORIES_DIR}")
     return STORIES_DIR
 
 

@@ -16,8 +16,7 @@ transformers = pytest.importorskip("transformers")
 from tinyserve.config import EngineConfig  # noqa: E402
 from tinyserve.engine.demo import write_tokenizer  # noqa: E402
 from tinyserve.engine.engine import Engine  # noqa: E402
-from tinyserve.engine.sampling import SamplingParams  # noqa: E402
-from tinyserve.messages import ScheduledSeq  # noqa: E402
+from tinyserve.messages import SamplingParams, ScheduledSeq  # noqa: E402
 
 BLOCK = 16
 CONFIGS = {

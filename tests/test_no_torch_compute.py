@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tinyserve.config import EngineConfig
 from tinyserve.core.engine import CoreConfig, EngineCore
 from tinyserve.engine.engine import Engine
-from tinyserve.engine.sampling import SamplingParams
+from tinyserve.messages import SamplingParams
 
 # Allocation, views, copies (host<->device, and the interpreter's own argument staging).
 ALLOWED = {

@@ -15,8 +15,7 @@ from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.sequence import Sequence
-from tinyserve.engine.sampling import SamplingParams
-from tinyserve.messages import SeqOutput, StepPlan, StepResult
+from tinyserve.messages import SamplingParams, SeqOutput, StepPlan, StepResult
 
 VOCAB = 1000
 EOS = 999

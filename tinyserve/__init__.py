@@ -10,13 +10,13 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 if TYPE_CHECKING:
-    from tinyserve.engine.sampling import SamplingParams
     from tinyserve.llm import LLM, RequestOutput
+    from tinyserve.messages import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "SamplingParams":
-        from tinyserve.engine.sampling import SamplingParams
+        from tinyserve.messages import SamplingParams
 
         return SamplingParams
     if name in ("LLM", "RequestOutput"):

@@ -27,12 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tinyserve",
         description="OpenAI-compatible LLM server over a pure-Triton Llama engine. "
-                    "With no --model it serves a tiny built-in demo model (random weights).",
+                    "With no --model it serves the bundled stories260k model (a 260K-parameter "
+                    "Llama trained on TinyStories).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=None,
                    help="Hugging Face Llama model directory (config.json, *.safetensors, "
-                        "tokenizer.json); omit to serve the built-in demo model")
+                        "tokenizer.json); omit to serve the bundled stories260k")
+    m.add_argument("--demo", action="store_true",
+                   help="serve a random-weight demo model instead of --model (its output is "
+                        "noise; for exercising the server)")
     m.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the directory's name)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -72,7 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("TINYSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (env TINYSERVE_API_KEY)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds running requests get to finish before abort")
+                   help="on SIGTERM, seconds running requests get to finish; the rest get 503")
+    s.add_argument("--step-timeout", type=float, default=60.0,
+                   help="a model step running longer than this means a wedged device: /health "
+                        "turns 503 (so the orchestrator restarts us) and pending requests get 503")
+    s.add_argument("--max-failed-steps", type=int, default=3,
+                   help="this many failed steps in a row mark the server unhealthy")
+    s.add_argument("--max-body-size", type=parse_size, default=4 * 2**20,
+                   help="largest request body accepted, e.g. 4MiB; larger ones get 413")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p
@@ -84,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_cfg = EngineConfig(
-            model=args.model, dtype=args.dtype, quantization=args.quantization,
+            model=args.model, random_demo=args.demo, dtype=args.dtype, quantization=args.quantization,
             device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -93,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host, port=args.port, served_model_name=args.served_model_name,
             api_key=args.api_key, max_waiting=args.max_waiting,
             batch_timeout_ms=args.batch_timeout_ms, drain_timeout_s=args.drain_timeout,
-            log_level=args.log_level)
+            step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
+            max_body_bytes=args.max_body_size, log_level=args.log_level)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

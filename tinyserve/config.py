@@ -15,7 +15,8 @@ QUANTIZATIONS = (None, "int8")
 class EngineConfig:
     """What the engine needs to load a model and size its KV cache and batches."""
 
-    model: str | None = None  # a Hugging Face model directory; None: the built-in demo model
+    model: str | None = None  # a Hugging Face model directory; None: the bundled stories260k
+    random_demo: bool = False  # serve a random-weight demo model instead (load tests, no weights)
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's fp16/bf16 on GPU
     quantization: str | None = None  # "int8": weight-only, per output channel
     device: str | None = None  # "cuda" / "cpu"; None: cuda if available
@@ -29,7 +30,20 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded requests, reproducibly per engine
 
+    @property
+    def resolved_model(self) -> str:
+        """The model directory to load (the demo's is made on first use)."""
+        if self.random_demo:
+            return "tinyserve-demo"
+        if self.model is None:
+            from tinyserve.models import STORIES260K
+
+            return str(STORIES260K)
+        return self.model
+
     def __post_init__(self) -> None:
+        if self.random_demo and self.model is not None:
+            raise ValueError("random_demo and model are exclusive: give one")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -63,6 +77,9 @@ class ServerConfig:
     max_waiting: int = 256  # requests queued beyond max_num_seqs before 429s
     batch_timeout_ms: float = 0.0  # how long an idle engine waits to batch new arrivals
     drain_timeout_s: float = 30.0  # SIGTERM: time running requests get to finish
+    step_timeout_s: float = 60.0  # a step running longer is a wedged device: unhealthy
+    max_failed_steps: int = 3  # this many failed steps in a row: unhealthy
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are parsed
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -74,5 +91,11 @@ class ServerConfig:
             raise ValueError(f"batch_timeout_ms must be >= 0, got {self.batch_timeout_ms}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")

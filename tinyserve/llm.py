@@ -6,14 +6,16 @@ EngineCore step the server drives.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from tinyserve.config import EngineConfig
 from tinyserve.core.engine import CoreConfig, EngineCore
+from tinyserve.core.request import Request
 from tinyserve.engine.engine import Engine
-from tinyserve.engine.sampling import SamplingParams
+from tinyserve.messages import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.info = self.engine.info
         self.core = EngineCore(CoreConfig.from_engine(self.config, self.info), self.tokenizer)
+        self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -52,24 +55,23 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        seqs = []
+        ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                seqs.append(self.core.add_request(ids, p))
+                tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids.append(self.core.add_request(next(self._ids), tokens, p).request_id)
             while self.core.has_unfinished:
                 plan = self.core.schedule()
                 if plan is None:
                     raise RuntimeError("scheduler made no progress with work pending")
                 self.core.process(plan, self.engine.runner.execute(plan))
-        except BaseException:
-            for seq in seqs:
-                self.core.abort(seq.seq_id)
-            raise
-        return [self._output(seq) for seq in seqs]
+            return [self._output(self.core.release(i)) for i in ids]
+        finally:
+            for i in ids:
+                self.core.release(i)  # after an error: free whatever is left
 
-    def _output(self, seq) -> RequestOutput:
-        detok = self.core.release(seq.seq_id)
+    def _output(self, req: Request) -> RequestOutput:
+        seq = req.seq
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = []
@@ -77,7 +79,6 @@ class LLM:
                 entry = dict(top or ())
                 entry[token] = lp
                 logprobs.append(entry)
-        return RequestOutput(seq.prompt_token_ids, tuple(seq.output_token_ids),
-                             detok.text if detok else "", seq.finish_reason or "abort", logprobs,
-                             seq.num_cached_tokens)
+        return RequestOutput(seq.prompt_token_ids, tuple(seq.output_token_ids), req.detok.text,
+                             seq.finish_reason or "abort", logprobs, seq.num_cached_tokens)
 

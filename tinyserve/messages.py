@@ -1,14 +1,17 @@
 """Every message that crosses an actor queue, in one file: this is the wiring diagram.
 
     Ingress --Submit--> Admission --Submit--> Batcher --StepPlan--> Executor
-       ^                    |                   ^  |                   |
-       |                    |                   |  +---StepResult------+
-       +--Accepted/Rejected-+                   |
-       +--------------Output (per request)------+   (Ingress --Abort--> Batcher)
+       ^  |                 |                   ^  |                   |
+       |  +----Abort--------|------------------>|  +---StepResult------+
+       +--Accepted/Failed---+                   |
+       +--------Output/Failed (per request)-----+
     Batcher, Ingress --StepStats/RequestFinished/RequestFailed--> Metrics
+    Supervisor: watches every actor task and the step in flight (no messages: it reads
+    snapshots and, on a fatal fault, fails every pending request through Ingress)
 
 Messages are small frozen msgspec Structs; token ids are tuples; no tensors cross a queue. A
-Submit carries its reply-to address (the request's own output queue), as actors do.
+Submit carries its reply-to address (the request's own output queue), as actors do. Request
+ids are the server's own integers: nothing a client sends ever keys server state.
 """
 
 from __future__ import annotations
@@ -17,7 +20,65 @@ from typing import Any
 
 import msgspec
 
-from tinyserve.engine.sampling import SamplingParams
+# -- what a request asks for ----------------------------------------------------------------
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: bounds the detokenizer's hold-back per step
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per generated token (0: only the chosen one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        else:
+            stop = tuple(stop)
+        msgspec.structs.force_setattr(self, "stop", stop)
+        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings of 1 to {MAX_STOP_CHARS} "
+                             "characters")
+        if len(self.stop_token_ids) > MAX_STOP_STRINGS or not all(
+                isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_STRINGS} non-negative "
+                             "integers")
+        if self.logprobs is not None and not (
+                isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
 
 # -- Batcher <-> Executor ---------------------------------------------------------------------
 
@@ -61,21 +122,27 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
+    request_id: int  # the server's own id (never the client's X-Request-Id)
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_time: float  # time.monotonic() at ingress
-    reply_to: Any  # asyncio.Queue of Accepted | Rejected | Output, owned by the request
+    reply_to: Any  # asyncio.Queue of Accepted | Failed | Output, owned by the request
     cache_salt: bytes = b""
     internal: bool = False  # the server's own warm-up: kept out of request metrics
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
+    """The client is gone. Sent only once the request was Accepted: admission forwards the
+    Submit before it says Accepted, so an Abort can never overtake its Submit."""
+
+    request_id: int
 
 
 class AbortAll(msgspec.Struct, frozen=True, tag=True):
-    """End of a timed-out drain: abort every request still in the batcher."""
+    """End of a timed-out drain: end every request in the batcher with this error."""
+
+    status: int
+    message: str
 
 
 # -- replies on a request's own queue ---------------------------------------------------------
@@ -85,8 +152,11 @@ class Accepted(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-class Rejected(msgspec.Struct, frozen=True, tag=True):
-    status: int  # 400 (bad prompt), 429 (queue full), 503 (not ready / draining)
+class Failed(msgspec.Struct, frozen=True, tag=True):
+    """The request ends with this HTTP error: rejected by admission (429, 503), refused by the
+    engine (400), or cut short after it was accepted (500 failed step, 503 drain / fault)."""
+
+    status: int
     message: str
     retry_after: float | None = None
 
@@ -103,7 +173,7 @@ class Output(msgspec.Struct, frozen=True, tag=True):
     text: str
     tokens: tuple[TokenInfo, ...]  # logprobs of the new tokens (empty unless requested)
     num_new_tokens: int
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (the client left)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

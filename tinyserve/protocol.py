@@ -13,15 +13,15 @@ from typing import Any, Literal
 
 import msgspec
 
-from tinyserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+from tinyserve.messages import MAX_LOGPROBS, SamplingParams
 
 
 class ApiError(Exception):
     """An error to return in the OpenAI envelope with this HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error",
-             404: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-             503: "service_unavailable"}
+             404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, retry_after: float | None = None) -> None:
@@ -30,9 +30,21 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
     def body(self) -> bytes:
-        return msgspec.json.encode({"error": {
-            "message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-            "param": self.param, "code": self.code}})
+        return msgspec.json.encode(ErrorResponse(ErrorInfo(
+            self.message, self.TYPES.get(self.status, "server_error"), self.param, self.code)))
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -93,6 +105,8 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"Invalid request: {e}", param=param) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"Invalid JSON body: {e}") from None
+    except RecursionError:  # msgspec's guard against deep nesting
+        raise ApiError(400, "Invalid JSON body: nested too deeply") from None
 
 
 def message_text(msg: ChatMessage) -> str:
@@ -107,8 +121,12 @@ def message_text(msg: ChatMessage) -> str:
     return "".join(parts)
 
 
-def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int
-                       ) -> SamplingParams:
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
+                       vocab_size: int) -> SamplingParams:
+    """API fields -> engine fields; every value bounded here (400 naming the field)."""
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise ApiError(400, f"top_k must be -1, 0 (disabled) or at most the vocabulary size "
+                       f"{vocab_size}, got {req.top_k}", param="top_k")
     if req.n != 1:
         raise ApiError(400, "n: only n=1 is supported", param="n")
     if isinstance(req, ChatCompletionRequest):

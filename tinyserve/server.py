@@ -1,9 +1,9 @@
 """Server: wires the actors together and runs their lifecycle.
 
     start HTTP (liveness answers at once; readiness says "loading")
-    -> load the engine in a thread -> start actors -> warm-up step -> ready
+    -> load the engine in a thread -> start actors under the supervisor -> warm-up -> ready
     SIGTERM/SIGINT -> not ready, new requests 503 -> running requests finish (bounded by
-    drain_timeout_s; the rest are aborted) -> exit 0
+    drain_timeout_s; the rest end with 503) -> exit 0
 
 All actors run on one event loop; the model runs in the executor's worker thread.
 """
@@ -15,41 +15,44 @@ import logging
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from tinyserve.actors.admission import Admission
 from tinyserve.actors.batcher import Batcher
 from tinyserve.actors.executor import Executor
-from tinyserve.actors.ingress import Ingress
+from tinyserve.actors.ingress import Backend, Ingress
 from tinyserve.actors.metrics import Metrics
+from tinyserve.actors.supervisor import Supervisor
 from tinyserve.config import EngineConfig, ServerConfig
-from tinyserve.engine.sampling import SamplingParams
-from tinyserve.messages import AbortAll, Output, Rejected, Submit
+from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
 
 log = logging.getLogger(__name__)
 
+WARMUP_ID = 0  # ingress numbers requests from 1
+
 
 class Server:
-    def __init__(self, cfg: ServerConfig, engine_cfg: EngineConfig) -> None:
+    def __init__(self, cfg: ServerConfig, engine_cfg: EngineConfig, engine: Any = None) -> None:
+        """``engine``: an already built engine (``info``, ``tokenizer``, ``runner.execute``);
+        tests pass a fake one. None: build the real one from ``engine_cfg`` in ``load``."""
         self.cfg = cfg
         self.engine_cfg = engine_cfg
-        self.model_name = cfg.served_model_name or (
-            Path(engine_cfg.model).name if engine_cfg.model else "tinyserve-demo")
-        # Filled in once the engine is loaded; until then handlers answer 503.
-        self.info = None
-        self.tokenizer = None
+        self._engine = engine
+        self.model_name = cfg.served_model_name or Path(engine_cfg.resolved_model).name
+        self.ingress = Ingress(cfg, self.model_name)
         self.metrics: Metrics | None = None
         self.admission: Admission | None = None
         self.batcher: Batcher | None = None
         self.executor: Executor | None = None
-        self._tasks: list[asyncio.Task] = []
+        self.supervisor: Supervisor | None = None
         self._stop = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
     async def start_http(self) -> None:
-        self._runner = web.AppRunner(Ingress(self).app(), handler_cancellation=True,
+        self._runner = web.AppRunner(self.ingress.app(), handler_cancellation=True,
                                      access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -58,47 +61,59 @@ class Server:
 
     async def load(self) -> None:
         from tinyserve.core.engine import CoreConfig, EngineCore
-        from tinyserve.engine.engine import Engine
 
         loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(None, Engine, self.engine_cfg)
+        engine = self._engine
+        if engine is None:
+            from tinyserve.engine.engine import Engine
+
+            engine = await loop.run_in_executor(None, Engine, self.engine_cfg)
         info = engine.info
         core = EngineCore(CoreConfig.from_engine(self.engine_cfg, info), engine.tokenizer)
         capacity = self.engine_cfg.max_num_seqs + self.cfg.max_waiting
         self.metrics = Metrics(info.max_model_len, self.engine_cfg.max_num_batched_tokens)
         self.metrics.set_cache_config(info.block_size, info.num_kv_blocks)
         self.executor = Executor(engine.runner.execute)
-        self.batcher = Batcher(core, self.executor.inbox, self.metrics, capacity,
-                               self.cfg.batch_timeout_ms)
-        self.executor.outbox = self.batcher.inbox
-        self.admission = Admission(self.batcher.inbox, lambda: self.batcher.num_requests, capacity)
-        self.tokenizer = engine.tokenizer
-        self.executor.start()
-        for name, coro in (("metrics", self.metrics.run()), ("batcher", self.batcher.run()),
-                           ("admission", self.admission.run())):
-            self._tasks.append(loop.create_task(coro, name=name))
-        self.info = info
-        await self._warm_up()
+        self.batcher = batcher = Batcher(core, self.executor.inbox, self.metrics, capacity,
+                                         self.cfg.batch_timeout_ms)
+        self.executor.outbox = batcher.inbox
+        self.supervisor = Supervisor(self.executor, self._on_fatal, self.cfg.step_timeout_s,
+                                     self.cfg.max_failed_steps)
+        self.admission = Admission(batcher.inbox,
+                                   lambda: (batcher.num_requests, batcher.submits_received),
+                                   capacity, lambda: self.supervisor.failure)
+        self.supervisor.watch(self.executor.start())
+        for name, coro in (("metrics", self.metrics.run()), ("batcher", batcher.run()),
+                           ("admission", self.admission.run()),
+                           ("supervisor", self.supervisor.run())):
+            self.supervisor.watch(loop.create_task(coro, name=name))
+        self.ingress.backend = Backend(info.max_model_len, info.vocab_size, engine.tokenizer,
+                                       self.admission, batcher.inbox, self.metrics,
+                                       self.supervisor)
+        await self._warm_up(engine.tokenizer)
         self.admission.ready = True
         log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB)%s",
                  self.model_name, info.max_model_len, info.num_kv_blocks, info.block_size,
                  info.kv_cache_bytes / 2**20,
                  " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
 
-    async def _warm_up(self) -> None:
-        """One real request through batcher and executor before we report ready."""
+    def _on_fatal(self, reason: str) -> None:
+        self.ingress.fail_all(503, f"the server is unhealthy: {reason}")
+
+    async def _warm_up(self, tokenizer) -> None:
+        """One real request through admission, batcher and executor before we report ready."""
         t0 = time.perf_counter()
         replies: asyncio.Queue = asyncio.Queue(maxsize=8)
-        prompt = (self.tokenizer.bos_token_id or 0,) * 2
-        await self.batcher.inbox.put(Submit("warmup", prompt, SamplingParams(
+        prompt = (tokenizer.bos_token_id or 0,) * 2
+        await self.admission.inbox.put(Submit(WARMUP_ID, prompt, SamplingParams(
             max_tokens=2, temperature=0.0, ignore_eos=True), time.monotonic(), replies,
             internal=True))
         while True:
             msg = await replies.get()
-            if isinstance(msg, Rejected) or (isinstance(msg, Output) and msg.finish_reason):
+            if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
                 break
-        if isinstance(msg, Rejected) or msg.finish_reason == "error":
-            raise RuntimeError(f"warm-up step failed: {msg}")
+        if isinstance(msg, Failed):
+            raise RuntimeError(f"warm-up step failed: {msg.message}")
         log.info("warm-up done in %.2fs", time.perf_counter() - t0)
 
     def request_stop(self) -> None:
@@ -110,23 +125,25 @@ class Server:
         await self._stop.wait()
 
     async def drain(self) -> None:
-        """Let running requests finish (up to drain_timeout_s), then abort what is left."""
+        """Let running requests finish (up to drain_timeout_s); the rest end with a 503."""
         if self.batcher is None:
             return
         log.info("draining: %d requests in flight", self.batcher.num_requests)
         try:
             await asyncio.wait_for(self.batcher.wait_idle(), self.cfg.drain_timeout_s)
         except TimeoutError:
-            log.warning("drain timeout: aborting %d requests", self.batcher.num_requests)
-            self.batcher.inbox.put_nowait(AbortAll())
-            await asyncio.sleep(0.1)  # let the aborted streams write their last chunk
+            log.warning("drain timeout: ending %d requests with 503", self.batcher.num_requests)
+            self.batcher.inbox.put_nowait(AbortAll(503, "the server is shutting down"))
+        # Let the handlers write their last bytes (bounded: a stuck client must not hold us).
+        deadline = time.monotonic() + 2.0
+        while self.ingress.num_live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.executor is not None:
             await self.executor.stop()
 

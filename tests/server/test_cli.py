@@ -1,4 +1,4 @@
-"""The command line: --help, bad flags, and README's first command (no --model: demo model)."""
+"""The command line: --help, bad flags, and README's first command (no arguments: stories260k)."""
 
 import json
 import subprocess
@@ -24,8 +24,23 @@ def test_a_bad_flag_value_is_a_clear_error():
     assert out.returncode == 2 and "block_size" in out.stderr
 
 
-def test_no_model_serves_the_demo_checkpoint(tmp_path):
-    srv = ServerProcess(log_path=tmp_path / "demo.log", model=None,
+def test_no_arguments_serve_the_bundled_stories260k(tmp_path):
+    """README's first command: no --model serves the real model shipped in the package."""
+    srv = ServerProcess(log_path=tmp_path / "default.log", model=None)
+    try:
+        models = json.loads(get(srv.url + "/v1/models")[1])
+        assert models["data"][0]["id"] == "stories260k"
+        status, body, _ = run(post(srv.url, "/v1/completions", {
+            "model": "stories260k", "prompt": "Once upon a time", "max_tokens": 5,
+            "temperature": 0}))
+        assert status == 200 and body["choices"][0]["text"] == ", there was a little"
+        assert "random weights" not in srv.log().lower()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_demo_flag_serves_the_random_weight_model(tmp_path):
+    srv = ServerProcess("--demo", log_path=tmp_path / "demo.log", model=None,
                         env={"TINYSERVE_CACHE": str(tmp_path / "cache")})
     try:
         models = json.loads(get(srv.url + "/v1/models")[1])

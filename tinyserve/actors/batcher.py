@@ -1,12 +1,17 @@
 """Batcher actor: owns every request's state and drives the engine step loop.
 
-Its inbox takes Submit, Abort and StepResult. Each turn it applies everything queued, and if
-no step is in flight it schedules the next one (continuous batching: running decodes plus as
-much prefill as the token budget allows) and hands it to the executor. Results come back to
-the same inbox, so request state is only ever touched here, on the event loop.
+Its inbox takes Submit, Abort, AbortAll and StepResult. Each turn it applies everything
+queued, and if no step is in flight it schedules the next one (continuous batching: running
+decodes plus as much prefill as the token budget allows) and hands it to the executor.
+Results come back to the same inbox, so request state is only ever touched here, on the event
+loop. Each request is one ``Request`` object in ``core.requests``, keyed by the server's id.
+
+A message that fails is logged and the actor goes on. An exception while *scheduling* is not
+caught: the scheduler's state can no longer be trusted, so the task dies and the supervisor
+marks the server unhealthy and answers everyone waiting.
 
 Inbox capacity: 2 * (admission capacity) + 8. Admission bounds the requests in the system, and
-each contributes at most one Submit and one Abort, plus one StepResult in flight, so
+each contributes at most one Submit and one Abort, plus one StepResult and one AbortAll, so
 ``put_nowait`` from ingress (aborts) and admission can never find it full.
 """
 
@@ -15,16 +20,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 from tinyserve.actors.metrics import Metrics
 from tinyserve.core.engine import EngineCore
-from tinyserve.core.sequence import Sequence
+from tinyserve.core.request import Request
 from tinyserve.messages import (
     Abort,
     AbortAll,
+    Failed,
     Output,
-    Rejected,
     RequestFinished,
     StepPlan,
     StepResult,
@@ -36,13 +40,14 @@ from tinyserve.messages import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class RequestState:
-    submit: Submit
-    seq: Sequence
-    first_scheduled: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    sent_tokens: int = 0
+def reply(req: Request, msg: Output | Failed) -> None:
+    """Never blocks and never raises: the queue is sized for every reply a request can get,
+    and one that is full anyway belongs to a reader that is gone or already failed."""
+    try:
+        req.reply_to.put_nowait(msg)
+    except asyncio.QueueFull:
+        log.warning("request %d: reply queue full, dropping %s", req.request_id,
+                    type(msg).__name__)
 
 
 class Batcher:
@@ -53,8 +58,7 @@ class Batcher:
         self._metrics = metrics
         self._batch_timeout = batch_timeout_ms / 1000.0
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=2 * capacity + 8)
-        self.requests: dict[str, RequestState] = {}
-        self._by_seq: dict[int, str] = {}
+        self.submits_received = 0  # read by admission to count Submits still in the inbox
         self._in_flight: StepPlan | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -62,7 +66,7 @@ class Batcher:
     # -- queries (snapshots for other actors) ------------------------------------------------
     @property
     def num_requests(self) -> int:
-        return len(self.requests)
+        return len(self.core.requests)
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
@@ -75,7 +79,8 @@ class Batcher:
                 self._handle(self.inbox.get_nowait())
             if self._in_flight is None and self.core.has_unfinished:
                 await self._wait_for_company()
-                self._launch()
+                if self._in_flight is None and self.core.has_unfinished:
+                    self._launch()
             self._update_idle()
 
     def _handle(self, msg) -> None:
@@ -88,8 +93,10 @@ class Batcher:
                 case Abort():
                     self._on_abort(msg.request_id)
                 case AbortAll():
-                    for rid in list(self.requests):
-                        self._on_abort(rid)
+                    for req in list(self.core.requests.values()):
+                        reply(req, Failed(msg.status, msg.message, retry_after=5.0))
+                        self._end(req, "abort")
+                    self._emit_stats(0)
                 case _:
                     log.error("batcher: unknown message %r", msg)
         except Exception:
@@ -113,40 +120,40 @@ class Batcher:
                 return
 
     def _launch(self) -> None:
-        plan = self.core.schedule()
+        plan = self.core.schedule()  # raises only on a bug: the supervisor handles it
         if plan is None:
             log.error("scheduler returned no step with %d requests pending", self.num_requests)
             return
         now = time.monotonic()
         for s in plan.seqs:
-            st = self.requests.get(self._by_seq.get(s.seq_id, ""))
-            if st is not None and st.first_scheduled is None:
-                st.first_scheduled = now
+            req = self.core.requests[s.seq_id]
+            if req.first_scheduled is None:
+                req.first_scheduled = now
         self._in_flight = plan
         self._executor_inbox.put_nowait(plan)  # capacity 1 and nothing in flight: never full
 
     def _update_idle(self) -> None:
-        if self._in_flight is None and not self.requests:
+        if self._in_flight is None and not self.core.requests:
             self._idle.set()
         else:
             self._idle.clear()
 
     # -- messages ----------------------------------------------------------------------------
     def _on_submit(self, msg: Submit) -> None:
+        self.submits_received += 1
         try:
-            seq = self.core.add_request(msg.prompt_token_ids, msg.params, msg.cache_salt)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                  msg.cache_salt, reply_to=msg.reply_to,
+                                  arrival_time=msg.arrival_time, internal=msg.internal)
         except ValueError as e:
-            msg.reply_to.put_nowait(Rejected(400, str(e)))
-            return
-        self.requests[msg.request_id] = RequestState(msg, seq)
-        self._by_seq[seq.seq_id] = msg.request_id
+            msg.reply_to.put_nowait(Failed(400, str(e)))
 
-    def _on_abort(self, request_id: str) -> None:
-        st = self.requests.get(request_id)
-        if st is None:
-            return
-        self.core.abort(st.seq.seq_id)  # frees its KV blocks now
-        self._finish(request_id, st)
+    def _on_abort(self, request_id: int) -> None:
+        req = self.core.requests.get(request_id)
+        if req is None:
+            return  # it finished first
+        reply(req, Output("", (), 0, finish_reason="abort"))
+        self._end(req, "abort")
         self._emit_stats(0)
 
     def _on_result(self, result: StepResult) -> None:
@@ -157,55 +164,48 @@ class Batcher:
         if result.error:
             log.error("step %d failed: %s", result.step_id, result.error)
         now = time.monotonic()
-        for seq in self.core.process(plan, result):
-            rid = self._by_seq.get(seq.seq_id)
-            st = self.requests.get(rid) if rid else None
-            if st is None:
+        for req in self.core.process(plan, result):
+            if req.seq.finish_reason == "error":
+                reply(req, Failed(500, "the engine failed while running this request"))
+                self._end(req, "error")
                 continue
-            if seq.finish_reason != "error":
-                st.token_times.append(now)
-            self._send(st, seq)
-            if seq.is_finished:
-                self._finish(rid, st)
+            req.token_times.append(now)
+            self._send(req)
+            if req.seq.is_finished:
+                self._end(req, req.seq.finish_reason)
         self._emit_stats(plan.num_tokens)
 
     # -- outputs -----------------------------------------------------------------------------
-    def _send(self, st: RequestState, seq: Sequence) -> None:
-        detok = self.core.detokenizers.get(seq.seq_id)
-        text = detok.stream_delta(final=seq.is_finished) if detok else ""
+    def _send(self, req: Request) -> None:
+        """The text and tokens new since the last Output: O(new tokens), whatever the history."""
+        seq = req.seq
+        text = req.detok.stream_delta(final=seq.is_finished)
         n_out = seq.num_output_tokens
-        new = n_out - st.sent_tokens
+        new = n_out - req.sent_tokens
         tokens: tuple[TokenInfo, ...] = ()
         if seq.params.logprobs is not None and new > 0:
-            ids = seq.output_token_ids[st.sent_tokens:]
+            ids = seq.token_ids[seq.num_prompt_tokens + req.sent_tokens:]
             tokens = tuple(TokenInfo(t, lp, top or ())
-                           for t, (lp, top) in zip(ids, seq.logprobs[st.sent_tokens:], strict=True))
-        st.sent_tokens = n_out
+                           for t, (lp, top) in zip(ids, seq.logprobs[req.sent_tokens:], strict=True))
+        req.sent_tokens = n_out
         if not text and not tokens and not seq.is_finished:
             return  # nothing to show yet (e.g. half a UTF-8 character held back)
-        st.submit.reply_to.put_nowait(Output(
+        reply(req, Output(
             text=text, tokens=tokens, num_new_tokens=new,
             finish_reason=seq.finish_reason if seq.is_finished else None,
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
             cached_tokens=seq.num_cached_tokens))
 
-    def _finish(self, rid: str, st: RequestState) -> None:
-        seq = st.seq
-        if seq.finish_reason == "abort":
-            st.submit.reply_to.put_nowait(Output(
-                text="", tokens=(), num_new_tokens=0, finish_reason="abort",
-                prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens))
-        self.core.release(seq.seq_id)
-        self.requests.pop(rid, None)
-        self._by_seq.pop(seq.seq_id, None)
-        if st.submit.internal:
+    def _end(self, req: Request, reason: str) -> None:
+        """Forget the request (freeing its blocks) and record how it ended."""
+        self.core.release(req.request_id)
+        if req.internal:
             return
-        arrival = st.submit.arrival_time
-        times = st.token_times
+        seq, arrival, times = req.seq, req.arrival_time, req.token_times
         self._metrics.emit(RequestFinished(
-            finish_reason=seq.finish_reason or "abort", prompt_tokens=seq.num_prompt_tokens,
+            finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
             generation_tokens=seq.num_output_tokens,
-            queue_seconds=None if st.first_scheduled is None else st.first_scheduled - arrival,
+            queue_seconds=None if req.first_scheduled is None else req.first_scheduled - arrival,
             ttft_seconds=times[0] - arrival if times else None,
             e2e_seconds=(times[-1] if times else time.monotonic()) - arrival,
             itl_seconds=tuple(b - a for a, b in zip(times, times[1:]))))

@@ -1,59 +1,61 @@
-"""Ingress: the aiohttp front end (OpenAI-compatible API, probes, metrics).
+"""Ingress: the aiohttp front end (OpenAI-compatible API, probes, metrics, OpenAPI).
 
-Per request: check the key, parse and validate the body (400 naming the field), tokenize,
-assign an id, submit to admission, then stream SSE chunks or return one JSON body as the
-request's outputs arrive on its own bounded queue. A client that disconnects (the handler is
-cancelled, or a write fails) aborts its sequence, which frees its KV blocks at once.
+One generate path serves both APIs:
+
+    auth -> decode + bound every field (400 naming it) -> model check -> prompt ids (cheap
+    size check first; big inputs templated / tokenized off the loop) -> sampling params ->
+    submit (admission answers Accepted or 429/503) -> stream SSE, or collect one body
+
+What the answer says is the Shaper's business (``responses.py``); this file moves bytes. Each
+request gets the server's own id; the client's ``X-Request-Id`` is only echoed and logged.
+A request whose client leaves (the handler is cancelled, or a write fails) is aborted wherever
+it is: before admission decides, an orphan task waits for the decision and aborts it if it was
+accepted; after, an Abort goes straight to the batcher (it cannot overtake the Submit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
+import itertools
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from tinyserve.messages import Abort, Accepted, Output, Rejected, RequestFailed, Submit, TokenInfo
+from tinyserve import __version__
+from tinyserve.actors.admission import Admission, too_many
+from tinyserve.actors.metrics import Metrics
+from tinyserve.actors.supervisor import Supervisor
+from tinyserve.config import ServerConfig
+from tinyserve.engine.tokenizer import Tokenizer
+from tinyserve.messages import Abort, Accepted, Failed, Output, RequestFailed, SamplingParams, Submit
+from tinyserve.openapi import openapi_spec
 from tinyserve.protocol import (
     ApiError,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
-    Delta,
     ModelCard,
     ModelList,
-    ResponseMessage,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
     decode_request,
     message_text,
-    new_id,
-    now,
     to_sampling_params,
 )
-
-if TYPE_CHECKING:
-    from tinyserve.server import Server
+from tinyserve.responses import ChatShaper, CompletionShaper
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+CLIENT_ID = web.RequestKey("client_id", str)  # X-Request-Id: echoed and logged, never a key
+OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
 
 
 def _json(obj, status: int = 200) -> web.Response:
@@ -61,29 +63,62 @@ def _json(obj, status: int = 200) -> web.Response:
                         content_type="application/json")
 
 
+@dataclass(slots=True)
+class Backend:
+    """What ingress talks to once the model is loaded (until then handlers answer 503)."""
+
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer
+    admission: Admission
+    batcher_inbox: asyncio.Queue
+    metrics: Metrics
+    supervisor: Supervisor
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One request as ingress sees it: its reply queue and how far it got."""
+
+    rid: int
+    replies: asyncio.Queue
+    accepted: bool = False  # admission forwarded it to the batcher
+    done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
+
+
 class Ingress:
-    def __init__(self, server: Server) -> None:
-        self.s = server  # the wiring: config, engine facts, the other actors
+    def __init__(self, cfg: ServerConfig, model_name: str) -> None:
+        self.cfg = cfg
+        self.model_name = model_name
+        self.backend: Backend | None = None
+        self._ids = itertools.count(1)  # the server's request ids (0 is the warm-up's)
+        self._live: dict[int, _Call] = {}  # requests with a handler waiting on them
+        self._orphans: set[asyncio.Task] = set()  # aborts waiting for admission's decision
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._request_id_mw, self._error_mw],
-                              client_max_size=8 * 1024 * 1024)
+                              client_max_size=self.cfg.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # -- middleware ----------------------------------------------------------------------------
     @web.middleware
     async def _request_id_mw(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id", "")
-        request["request_id"] = rid if _REQUEST_ID_OK.match(rid) else uuid.uuid4().hex
+        request[CLIENT_ID] = rid if _REQUEST_ID_OK.match(rid) else uuid.uuid4().hex
         resp = await handler(request)
         if not resp.prepared:
-            resp.headers["X-Request-Id"] = request["request_id"]
+            resp.headers["X-Request-Id"] = request[CLIENT_ID]
         return resp
 
     @web.middleware
@@ -92,74 +127,257 @@ class Ingress:
             return await handler(request)
         except ApiError as e:
             return self._error_response(e)
-        except web.HTTPException as e:  # 404/405 from the router, in the OpenAI envelope
+        except web.HTTPException as e:  # 404/405/413 from aiohttp, in the OpenAI envelope
             if e.status >= 400:
                 return self._error_response(ApiError(e.status, e.reason or "error"))
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.path)
+            log.exception("unhandled error in %s %s (X-Request-Id %s)", request.method,
+                          request.path, request.get(CLIENT_ID))
             return self._error_response(ApiError(500, "internal server error"))
 
     def _error_response(self, e: ApiError) -> web.Response:
-        if self.s.metrics is not None:
-            self.s.metrics.emit(RequestFailed(str(e.status)))
+        self._count_error(e)
         resp = web.Response(body=e.body(), status=e.status, content_type="application/json")
         if e.retry_after is not None:
             resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
         return resp
 
-    # -- probes --------------------------------------------------------------------------------
+    def _count_error(self, e: ApiError) -> None:
+        if self.backend is not None:
+            self.backend.metrics.emit(RequestFailed(str(e.status)))
+
+    # -- probes, metrics, models ---------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        """Liveness: the loop answers (it is answering) and the executor is alive."""
-        ex = self.s.executor
-        if ex is not None and not ex.alive:
-            return _json({"status": "executor dead"}, 503)
+        """Liveness: 503 once the supervisor has seen a fault only a restart can cure."""
+        failure = self.backend.supervisor.failure if self.backend else None
+        if failure:
+            return _json({"status": "unhealthy", "reason": failure}, 503)
         return _json({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        adm = self.s.admission
-        if adm is None or not adm.ready:
+        b = self.backend
+        if b is None or not b.admission.ready:
             return _json({"status": "loading"}, 503)
-        if adm.draining:
+        if b.supervisor.failure:
+            return _json({"status": "unhealthy", "reason": b.supervisor.failure}, 503)
+        if b.admission.draining:
             return _json({"status": "draining"}, 503)
         return _json({"status": "ready"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        if self.s.metrics is None:
-            raise ApiError(503, "metrics are not available until the model is loaded")
-        return web.Response(body=self.s.metrics.render(),
+        b = self._backend()
+        return web.Response(body=b.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def models(self, request: web.Request) -> web.Response:
         self._auth(request)
-        info = self._engine_info()
-        return _json(ModelList([ModelCard(self.s.model_name, info.max_model_len)]))
+        return _json(ModelList([ModelCard(self.model_name, self._backend().max_model_len)]))
 
-    # -- helpers -------------------------------------------------------------------------------
+    async def openapi(self, request: web.Request) -> web.Response:
+        return _json(openapi_spec(__version__))
+
+    # -- the generate path -----------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CompletionRequest)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, ChatCompletionRequest)
+
+    async def _generate(self, request: web.Request, kind: type) -> web.StreamResponse:
+        self._auth(request)
+        b = self._backend()
+        req = decode_request(await request.read(), kind)
+        if req.model != self.model_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
+                           code="model_not_found")
+        chat = isinstance(req, ChatCompletionRequest)
+        prompt_ids = await (self._chat_prompt(b, req) if chat else self._completion_prompt(b, req))
+        if chat and req.max_completion_tokens is not None:
+            requested, param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            requested, param = (16 if req.max_tokens is None and not chat else req.max_tokens,
+                                "max_tokens")
+        max_tokens = self._max_tokens(b, requested, len(prompt_ids), param,
+                                      "messages" if chat else "prompt")
+        params = to_sampling_params(req, max_tokens, b.vocab_size)
+        shaper = (ChatShaper if chat else CompletionShaper)(
+            req, self.model_name, b.tokenizer, params.logprobs is not None)
+        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8))
+        self._live[call.rid] = call
+        try:
+            await self._submit(b, call, prompt_ids, params)
+            if req.stream:
+                return await self._stream(request, call, shaper)
+            outs = []
+            async with contextlib.aclosing(self._outputs(call)) as outputs:
+                async for out in outputs:
+                    outs.append(out)
+            return _json(shaper.body(outs))
+        finally:
+            del self._live[call.rid]
+            if not call.done:
+                self._abort(b, call)
+
+    async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
+                      params: SamplingParams) -> None:
+        msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies)
+        try:
+            b.admission.inbox.put_nowait(msg)
+        except asyncio.QueueFull:  # capacity requests are already ahead of this one
+            call.done = True
+            f = too_many(b.admission.capacity)
+            raise ApiError(f.status, f.message, retry_after=f.retry_after) from None
+        first = await call.replies.get()
+        if isinstance(first, Failed):
+            call.done = True
+            raise ApiError(first.status, first.message, retry_after=first.retry_after)
+        assert isinstance(first, Accepted)
+        call.accepted = True
+
+    async def _outputs(self, call: _Call) -> AsyncIterator[Output]:
+        """The request's outputs until the final one; a Failed becomes an ApiError."""
+        while True:
+            msg = await call.replies.get()
+            if isinstance(msg, Failed):
+                call.done = True
+                raise ApiError(msg.status, msg.message, retry_after=msg.retry_after)
+            yield msg
+            if msg.finish_reason is not None:
+                call.done = True
+                return
+
+    async def _stream(self, request: web.Request, call: _Call,
+                      shaper: ChatShaper | CompletionShaper) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Request-Id": request[CLIENT_ID]})
+        await resp.prepare(request)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+
+        for chunk in shaper.opening():
+            await send(chunk)
+        try:
+            async with contextlib.aclosing(self._outputs(call)) as outputs:
+                async for out in outputs:
+                    for chunk in shaper.chunks(out):
+                        await send(chunk)
+        except ApiError as e:  # headers are sent: the error becomes the last event
+            self._count_error(e)
+            await resp.write(b"data: " + e.body() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- client gone, server failing -------------------------------------------------------------
+    def _abort(self, b: Backend, call: _Call) -> None:
+        if call.accepted:
+            self._send_abort(b, call.rid)
+            return
+        task = asyncio.get_running_loop().create_task(self._abort_once_decided(b, call))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _abort_once_decided(self, b: Backend, call: _Call) -> None:
+        """The client left before admission decided: if it accepts, abort right behind."""
+        if isinstance(await call.replies.get(), Accepted):
+            self._send_abort(b, call.rid)
+
+    @staticmethod
+    def _send_abort(b: Backend, rid: int) -> None:
+        try:
+            b.batcher_inbox.put_nowait(Abort(rid))
+        except asyncio.QueueFull:  # sized so it cannot be; if it is, the request runs out
+            log.error("batcher inbox full: request %d could not be aborted", rid)
+
+    def fail_all(self, status: int, message: str) -> None:
+        """Answer every pending request with this error now (the supervisor's last resort)."""
+        for task in self._orphans:
+            task.cancel()
+        failed = Failed(status, message, retry_after=5.0)
+        for call in self._live.values():
+            while True:  # the reader only needs the error: drop output it has not read yet
+                try:
+                    call.replies.put_nowait(failed)
+                    break
+                except asyncio.QueueFull:
+                    call.replies.get_nowait()
+
+    # -- checks ----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> None:
-        key = self.s.cfg.api_key
+        key = self.cfg.api_key
         if not key:
             return
-        got = request.headers.get("Authorization", "")
-        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), key.encode())):
+        # aiohttp keeps undecodable header bytes as surrogates: encode them back, never raise
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())):
             raise ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer "
                            "<key>')", code="invalid_api_key")
 
-    def _engine_info(self):
-        if self.s.info is None:
+    def _backend(self) -> Backend:
+        if self.backend is None:
             raise ApiError(503, "the model is still loading", retry_after=5.0)
-        return self.s.info
+        return self.backend
 
-    def _check_model(self, model: str) -> None:
-        if model != self.s.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
+    def _check_chars(self, b: Backend, chars: int, param: str) -> None:
+        """Reject text that cannot fit the context without tokenizing it: no token is longer
+        than ``max_token_chars`` characters, so more characters than that many per context
+        slot is more tokens than the context holds."""
+        limit = b.max_model_len * b.tokenizer.max_token_chars
+        if chars > limit:
+            raise ApiError(400, f"This model's maximum context length is {b.max_model_len} "
+                           f"tokens; {param} has {chars} characters, more than that many tokens "
+                           f"can hold ({limit}).", param=param, code="context_length_exceeded")
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, param: str,
+    async def _off_loop(self, size: int, fn: Callable, *args: Any) -> Any:
+        if size <= OFF_LOOP_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+    async def _chat_prompt(self, b: Backend, req: ChatCompletionRequest) -> list[int]:
+        if not req.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        self._check_chars(b, chars, "messages")
+        try:
+            prompt = await self._off_loop(chars, b.tokenizer.apply_chat_template, messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        self._check_chars(b, len(prompt), "messages")
+        return await self._off_loop(len(prompt), b.tokenizer.encode, prompt, False)
+
+    async def _completion_prompt(self, b: Backend, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt: batched prompts are not supported; send one "
+                               "request per prompt", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt must not be empty", param="prompt")
+            self._check_chars(b, len(prompt), "prompt")
+            return await self._off_loop(len(prompt), b.tokenizer.encode, prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ApiError(400, "prompt must be a string or a non-empty list of token ids",
+                           param="prompt")
+        if len(prompt) >= b.max_model_len:  # before looking at each element
+            self._max_tokens(b, 1, len(prompt), "max_tokens", "prompt")
+        bad = next((t for t in prompt if not (type(t) is int and 0 <= t < b.vocab_size)), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {msgspec.json.encode(bad)[:40].decode()} is "
+                           f"not an integer in the vocabulary [0, {b.vocab_size})", param="prompt")
+        return prompt
+
+    def _max_tokens(self, b: Backend, requested: int | None, prompt_len: int, param: str,
                     prompt_param: str) -> int:
-        max_len = self._engine_info().max_model_len
+        max_len = b.max_model_len
         if requested is not None and requested < 1:
             raise ApiError(400, f"{param} must be at least 1, got {requested}", param=param)
         if prompt_len >= max_len:
@@ -174,221 +392,3 @@ class Ingress:
                            f"({prompt_len} in the prompt, {requested} in the completion).",
                            param=param, code="context_length_exceeded")
         return requested
-
-    async def _submit(self, request: web.Request, prompt_ids: list[int], params,
-                      salt: bytes) -> asyncio.Queue:
-        adm = self.s.admission
-        if adm is None or not adm.ready:
-            raise ApiError(503, "the model is not ready", retry_after=5.0)
-        # Bounded by construction: Accepted + one Output per generated token + a final one.
-        replies: asyncio.Queue = asyncio.Queue(maxsize=params.max_tokens + 4)
-        msg = Submit(request["request_id"], tuple(prompt_ids), params, time.monotonic(),
-                     replies, salt)
-        try:
-            adm.inbox.put_nowait(msg)
-        except asyncio.QueueFull:
-            raise ApiError(503, "the server is overloaded", retry_after=2.0) from None
-        first = await replies.get()
-        if isinstance(first, Rejected):
-            raise ApiError(first.status, first.message, retry_after=first.retry_after)
-        assert isinstance(first, Accepted)
-        return replies
-
-    async def _outputs(self, request: web.Request, replies: asyncio.Queue
-                       ) -> AsyncIterator[Output]:
-        """The request's outputs until the final one; aborts the sequence if we stop early."""
-        done = False
-        try:
-            while True:
-                msg = await replies.get()
-                if isinstance(msg, Rejected):
-                    done = True
-                    raise ApiError(msg.status, msg.message, retry_after=msg.retry_after)
-                if msg.finish_reason == "error":
-                    done = True
-                    raise ApiError(500, "the engine failed while running this request")
-                yield msg
-                if msg.finish_reason is not None:
-                    done = True
-                    return
-        finally:
-            if not done:  # client gone (handler cancelled / write failed): free its blocks
-                self.s.batcher.inbox.put_nowait(Abort(request["request_id"]))
-
-    async def _collect(self, request: web.Request, replies: asyncio.Queue
-                       ) -> tuple[str, list[TokenInfo], Output]:
-        """Non-streaming: every output joined (text, token logprobs, the final output)."""
-        text, tokens, last = [], [], None
-        async with contextlib.aclosing(self._outputs(request, replies)) as outputs:
-            async for out in outputs:
-                text.append(out.text)
-                tokens.extend(out.tokens)
-                last = out
-        return "".join(text), tokens, last
-
-    @contextlib.asynccontextmanager
-    async def _stream(self, request: web.Request, resp: web.StreamResponse,
-                      replies: asyncio.Queue) -> AsyncIterator[AsyncIterator[Output]]:
-        """Outputs for an SSE response: once headers are sent, an error becomes an SSE event."""
-        try:
-            async with contextlib.aclosing(self._outputs(request, replies)) as outputs:
-                yield outputs
-        except ApiError as e:
-            self.s.metrics.emit(RequestFailed(str(e.status)))
-            await resp.write(b"data: " + e.body() + b"\n\n")
-
-    def _encode_prompt(self, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: batched prompts are not supported; send one "
-                               "request per prompt", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError(400, "prompt must not be empty", param="prompt")
-            return self.s.tokenizer.encode(prompt)
-        vocab = self._engine_info().vocab_size
-        if not prompt or not all(type(t) is int for t in prompt):
-            raise ApiError(400, "prompt must be a string or a non-empty list of token ids",
-                           param="prompt")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
-                           f"[0, {vocab})", param="prompt")
-        return list(prompt)
-
-    def _token_str(self, token_id: int) -> str:
-        return self.s.tokenizer.token_text(token_id)
-
-    # -- /v1/completions -----------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        self._auth(request)
-        req = decode_request(await request.read(), CompletionRequest)
-        self._engine_info()
-        self._check_model(req.model)
-        prompt_ids = self._encode_prompt(req)
-        params = to_sampling_params(
-            req, self._max_tokens(16 if req.max_tokens is None else req.max_tokens,
-                                  len(prompt_ids), "max_tokens", "prompt"))
-        replies = await self._submit(request, prompt_ids, params, b"")
-        cid = new_id("cmpl")
-        created = now()
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(text, finish, lp, usage=None, choices=True):
-            return CompletionResponse(cid, self.s.model_name,
-                                      [CompletionChoice(0, text, finish, lp)] if choices else [],
-                                      created, usage)
-
-        if req.stream:
-            resp = await self._sse_start(request)
-            offset = 0
-            async with self._stream(request, resp, replies) as outputs:
-                async for out in outputs:
-                    lp = self._completion_logprobs(out.tokens, offset) \
-                        if params.logprobs is not None else None
-                    offset += len(out.text)
-                    await self._sse_send(resp, chunk(out.text, out.finish_reason, lp))
-                    if out.finish_reason is not None and include_usage:
-                        await self._sse_send(resp, chunk("", None, None, _usage(out), False))
-            return await self._sse_end(resp)
-
-        text, tokens, last = await self._collect(request, replies)
-        lp = self._completion_logprobs(tokens, 0) if params.logprobs is not None else None
-        return _json(chunk(text, last.finish_reason, lp, _usage(last)))
-
-    def _completion_logprobs(self, tokens: tuple[TokenInfo, ...] | list[TokenInfo],
-                             offset: int) -> CompletionLogprobs:
-        strs, offsets = [], []
-        for t in tokens:
-            offsets.append(offset)
-            s = self._token_str(t.token_id)
-            strs.append(s)
-            offset += len(s)
-        return CompletionLogprobs(
-            tokens=strs, token_logprobs=[t.logprob for t in tokens],
-            top_logprobs=[{self._token_str(i): lp for i, lp in t.top} for t in tokens],
-            text_offset=offsets)
-
-    # -- /v1/chat/completions ------------------------------------------------------------------
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        self._auth(request)
-        req = decode_request(await request.read(), ChatCompletionRequest)
-        self._engine_info()
-        self._check_model(req.model)
-        if not req.messages:
-            raise ApiError(400, "messages must not be empty", param="messages")
-        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
-        try:
-            prompt = self.s.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        prompt_ids = self.s.tokenizer.encode(prompt, add_special_tokens=False)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = to_sampling_params(req, self._max_tokens(requested, len(prompt_ids), param,
-                                                          "messages"))
-        replies = await self._submit(request, prompt_ids, params, b"")
-        cid = new_id("chatcmpl")
-        created = now()
-        want_lp = params.logprobs is not None
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            resp = await self._sse_start(request)
-            await self._sse_send(resp, ChatCompletionChunk(
-                cid, self.s.model_name, [ChatChunkChoice(0, Delta(role="assistant", content=""))],
-                created))
-            async with self._stream(request, resp, replies) as outputs:
-                async for out in outputs:
-                    lp = self._chat_logprobs(out.tokens) if want_lp else None
-                    if out.text or lp is not None:
-                        await self._sse_send(resp, ChatCompletionChunk(
-                            cid, self.s.model_name,
-                            [ChatChunkChoice(0, Delta(content=out.text), None, lp)], created))
-                    if out.finish_reason is not None:
-                        await self._sse_send(resp, ChatCompletionChunk(
-                            cid, self.s.model_name,
-                            [ChatChunkChoice(0, Delta(), out.finish_reason)], created))
-                        if include_usage:
-                            await self._sse_send(resp, ChatCompletionChunk(
-                                cid, self.s.model_name, [], created, _usage(out)))
-            return await self._sse_end(resp)
-
-        text, tokens, last = await self._collect(request, replies)
-        choice = ChatChoice(0, ResponseMessage("assistant", text), last.finish_reason,
-                            self._chat_logprobs(tokens) if want_lp else None)
-        return _json(ChatCompletionResponse(cid, self.s.model_name, [choice], _usage(last),
-                                            created))
-
-    def _chat_logprobs(self, tokens) -> ChatLogprobs:
-        def entry(tid: int, lp: float) -> TopLogprob:
-            return TopLogprob(self._token_str(tid), lp, self.s.tokenizer.token_bytes(tid))
-
-        return ChatLogprobs([
-            TokenLogprob(e.token, e.logprob, e.bytes, [entry(i, lp) for i, lp in t.top])
-            for t in tokens for e in [entry(t.token_id, t.logprob)]])
-
-    # -- SSE -----------------------------------------------------------------------------------
-    async def _sse_start(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": request["request_id"]})
-        await resp.prepare(request)
-        return resp
-
-    async def _sse_send(self, resp: web.StreamResponse, obj) -> None:
-        await resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
-
-    async def _sse_end(self, resp: web.StreamResponse) -> web.StreamResponse:
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-
-def _usage(out: Output) -> Usage:
-    details = {"cached_tokens": out.cached_tokens} if out.cached_tokens else None
-    return Usage(out.prompt_tokens, out.completion_tokens,
-                 out.prompt_tokens + out.completion_tokens, details)

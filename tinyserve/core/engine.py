@@ -7,18 +7,17 @@ offline loop or the batcher actor).
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.kv_manager import KVCacheManager
+from tinyserve.core.request import Request
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.sequence import Sequence
-from tinyserve.engine.sampling import SamplingParams
 from tinyserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from tinyserve.messages import StepPlan, StepResult
+from tinyserve.messages import SamplingParams, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from tinyserve.config import EngineConfig
@@ -56,26 +55,51 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                                    cfg.max_model_len, cfg.eos_token_ids), self.kv)
         self._rng = random.Random(cfg.seed)
-        self._ids = itertools.count()
-        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self.requests: dict[int, Request] = {}  # by the server's id (= the sequence's id)
 
-    def add_request(self, prompt_token_ids: list[int] | tuple[int, ...], params: SamplingParams,
-                    cache_salt: bytes = b"") -> Sequence:
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.cfg.vocab_size]
+    def check(self, prompt_token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
+        """Everything a step relies on, checked before the request can join one: a value that
+        passed here can never make a step raise (ValueError names the field)."""
+        vocab = self.cfg.vocab_size
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in prompt_token_ids if not (type(t) is int and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.cfg.vocab_size})")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(next(self._ids), tuple(prompt_token_ids), params, seed,
-                       cache_salt=cache_salt)
-        self.scheduler.add(seq)
-        self.detokenizers[seq.seq_id] = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens)
-        return seq
+            raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or at most the vocabulary size "
+                             f"{vocab}, got {params.top_k}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be within the vocabulary [0, {vocab})")
 
-    def abort(self, seq_id: int) -> None:
-        self.scheduler.abort(seq_id)
-        self.detokenizers.pop(seq_id, None)
+    def add_request(self, request_id: int, prompt_token_ids: list[int] | tuple[int, ...],
+                    params: SamplingParams, cache_salt: bytes = b"", **serving) -> Request:
+        """Queue a request; ``serving`` fills the Request's reply queue and timing fields."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        self.check(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, cache_salt=cache_salt)
+        self.scheduler.add(seq)
+        req = Request(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                  params.stop, params.skip_special_tokens),
+                      **serving)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: int) -> Request | None:
+        """Finish a request now (its blocks are freed at once); ``release`` still removes it."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req.seq, "abort")
+        return req
+
+    def release(self, request_id: int) -> Request | None:
+        """Forget a finished (or aborted) request."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.seq.is_finished:
+            self.scheduler.finish(req.seq, "abort")
+        return req
 
     @property
     def has_unfinished(self) -> bool:
@@ -84,20 +108,15 @@ class EngineCore:
     def schedule(self) -> StepPlan | None:
         return self.scheduler.schedule()
 
-    def process(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """Apply a step's tokens; detokenize; finish on stop strings. Returns updated seqs.
-
-        Finished sequences keep their detokenizer until ``release`` so callers can read the text.
-        """
-        updated = self.scheduler.update(plan, result)
-        for seq in updated:
-            if seq.finish_reason == "error":
-                continue
-            detok = self.detokenizers[seq.seq_id]
-            detok.add(seq.token_ids[-1])
-            if detok.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
+    def process(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply a step's tokens; detokenize; finish on stop strings. Returns the requests that
+        advanced or failed. Finished ones stay in ``requests`` until ``release``."""
+        updated = []
+        for seq in self.scheduler.update(plan, result):
+            req = self.requests[seq.seq_id]
+            if seq.finish_reason != "error":
+                req.detok.add(seq.token_ids[-1])
+                if req.detok.stopped and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+            updated.append(req)
         return updated
-
-    def release(self, seq_id: int) -> IncrementalDetokenizer | None:
-        return self.detokenizers.pop(seq_id, None)

@@ -21,8 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tinyserve.core.kv_manager import KVCacheManager
-from tinyserve.core.sequence import SeqStatus, Sequence
-from tinyserve.engine.sampling import mix_seed
+from tinyserve.core.sequence import SeqStatus, Sequence, mix_seed
 from tinyserve.messages import ScheduledSeq, StepPlan, StepResult
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tinyserve.core.block_pool import block_hash
-from tinyserve.engine.sampling import SamplingParams
+from tinyserve.messages import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -77,3 +77,15 @@ class Sequence:
             assert len(chunk) == block_size, "only full blocks are hashed"
             hashes.append(block_hash(hashes[-1] if hashes else None, chunk, self.cache_salt))
         return hashes[:num_blocks]
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A 63-bit seed for draw number ``step`` of a request (splitmix64 finalizer).
+
+    Depends only on the request's seed and how many tokens it has drawn, so a seeded request
+    draws the same tokens whatever it is batched with.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1

@@ -61,13 +61,13 @@ class Engine:
         from tinyserve.engine.runner import KVCacheSpec, ModelRunner
         from tinyserve.engine.tokenizer import Tokenizer
 
-        random_weights = cfg.model is None
+        random_weights = cfg.random_demo
         if random_weights:
             from tinyserve.engine.demo import ensure_demo_model
 
             model_dir = ensure_demo_model()
         else:
-            model_dir = Path(cfg.model)
+            model_dir = Path(cfg.resolved_model)
         mcfg = load_model_config(model_dir)
         dtype = _resolve_dtype(cfg.dtype, self.device, mcfg.torch_dtype)
         weights = load_weights(model_dir, mcfg, dtype, self.device, cfg.quantization)

@@ -52,12 +52,20 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._compiled_template = None
         self._token_text: dict[int, str] = {}
+        # No token stands for more characters than its piece has (byte-level pieces have one
+        # character per byte, SentencePiece pieces one per character plus the "▁"): ingress
+        # rejects text longer than max_model_len of these without tokenizing it.
+        self.max_token_chars = max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
 
     def add_eos_ids(self, ids: list[int] | tuple[int, ...]) -> None:
         self.eos_token_ids = self.eos_token_ids | frozenset(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > 1024:  # encode_batch releases the GIL (encode does not): a worker
+            # thread tokenizing a long prompt then does not stall the event loop
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]
@@ -111,14 +119,68 @@ class Tokenizer:
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
 
 
+class _StopMatcher:
+    """Knuth-Morris-Pratt automaton for one stop string, fed only the text appended since the
+    last call.
+
+    ``state`` is the length of the longest suffix of the text fed so far that is a proper prefix
+    of the stop string: how much of the tail could still grow into it. Feeding n characters costs
+    O(n) amortized: a character raises ``state`` by at most 1 and each failure link followed
+    lowers it by at least 1, so over a request the failure walks total at most the characters
+    fed (one call may walk up to len(stop) links, paid for by the characters that raised it).
+    """
+
+    __slots__ = ("stop", "_fail", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        # _fail[q]: length of the longest proper border (prefix that is also a suffix) of
+        # stop[:q + 1], the state to fall back to when stop[q + 1] does not match.
+        fail = [0] * len(stop)
+        k = 0
+        for q in range(1, len(stop)):
+            while k and stop[q] != stop[k]:
+                k = fail[k - 1]
+            if stop[q] == stop[k]:
+                k += 1
+            fail[q] = k
+        self._fail = fail
+        self.state = 0
+
+    def feed(self, text: str) -> int:
+        """Advance over ``text``; return the index in it just past the first full match, or -1.
+
+        After a match the automaton is spent (the detokenizer stops), so it is not reset.
+        """
+        stop, fail, q, n = self.stop, self._fail, self.state, len(self.stop)
+        for i, c in enumerate(text):
+            while q and stop[q] != c:
+                q = fail[q - 1]
+            if stop[q] == c:
+                q += 1
+                if q == n:
+                    self.state = q
+                    return i + 1
+        self.state = q
+        return -1
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, never splitting a UTF-8 character.
 
     Decodes a short window before the new tokens and emits only the difference, so tokenizers
     that strip or merge spaces at a decode boundary still produce the right text; a window that
     ends in U+FFFD is an unfinished multi-byte character and is held back. Stop strings are cut
-    from the text, and text that might be the start of a stop string is held back from
-    ``stream_delta`` until it is known not to be one.
+    from the text (at the earliest match start over all of them), and text that might be the
+    start of a stop string is held back from ``stream_delta`` until it is known not to be one.
+
+    Per call the work is O(new text) amortized, whatever the output length and the stop-string
+    lengths: only the new characters go through the stop automata, the held-back length is
+    their states, and the text is kept as appended pieces (``text`` joins them on demand)::
+
+        pieces:  | p0 | p1 | p2 ...          | p[-1] |
+        text:    |<-- streamed -->|<-- held back: longest partial stop match -->|
+                                  ^ _pieces[_sent_piece][_sent_off]
     """
 
     WINDOW = 5
@@ -129,11 +191,26 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids)
         self._prefix = max(len(self._ids) - self.WINDOW, 0)
         self._read = len(self._ids)
-        self._stop = stop
         self._skip = skip_special_tokens
-        self.text = ""  # all output text so far, cut at a matched stop string
+        # An empty stop string marks no place to stop (the API rejects it); it is ignored.
+        self._matchers = [_StopMatcher(s) for s in stop if s]
         self.stopped = False  # a stop string matched
-        self._streamed = 0  # chars of self.text already handed out by stream_delta
+        self._pieces: list[str] = []  # the output text, cut at a matched stop string
+        self._len = 0  # total chars in _pieces
+        self._joined: str | None = ""  # "".join(_pieces), or None when stale
+        self._streamed = 0  # chars handed out by stream_delta
+        self._sent_piece = 0  # first piece not wholly streamed ...
+        self._sent_off = 0  # ... and how many of its chars were
+
+    @property
+    def text(self) -> str:
+        """All output text so far, cut at the earliest matched stop string.
+
+        O(len(text)) when it changed since the last read: read it once a request is done.
+        """
+        if self._joined is None:
+            self._joined = "".join(self._pieces)
+        return self._joined
 
     def add(self, token_id: int) -> None:
         """Append one generated token; updates ``text`` and ``stopped``."""
@@ -144,33 +221,62 @@ class IncrementalDetokenizer:
         new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return
-        start = len(self.text)
-        self.text += new_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self._ids)
-        self._check_stop(start)
+        self._append(new_text[len(prefix_text):])
 
-    def _check_stop(self, start: int) -> None:
-        for s in self._stop:
-            idx = self.text.find(s, max(0, start - len(s) + 1))
-            if idx != -1:
-                self.text = self.text[:idx]
-                self.stopped = True
-                start = min(start, idx)  # an earlier stop string wins
+    def _append(self, piece: str) -> None:
+        start = self._len
+        self._pieces.append(piece)
+        self._len += len(piece)
+        self._joined = None
+        # Every match ends inside the new piece (an earlier one would have stopped us), and a
+        # stop string's first match in it is its earliest start: take the earliest over all.
+        cut = -1
+        for m in self._matchers:
+            end = m.feed(piece)
+            if end >= 0 and (cut < 0 or start + end - len(m.stop) < cut):
+                cut = start + end - len(m.stop)
+        if cut >= 0:
+            self._truncate(cut)
+            self.stopped = True
+
+    def _truncate(self, length: int) -> None:
+        """Cut the text to ``length`` chars. Costs O(chars removed + one piece); happens once.
+
+        The cut never reaches streamed text: that text was past every partial match when it
+        was released, unless ``stream_delta(final=True)`` already released everything.
+        """
+        drop = self._len - length
+        while drop:
+            last = self._pieces[-1]
+            if len(last) <= drop:
+                self._pieces.pop()
+                drop -= len(last)
+            else:
+                self._pieces[-1] = last[:len(last) - drop]
+                drop = 0
+        self._len = length
+        self._joined = None
+        if self._streamed >= length:  # only after a final stream_delta: nothing more to send
+            self._streamed, self._sent_piece, self._sent_off = length, len(self._pieces), 0
 
     def stream_delta(self, final: bool = False) -> str:
-        """New text safe to send: excludes a tail that could still grow into a stop string."""
-        end = len(self.text)
-        if not final and not self.stopped:
-            end -= self._held_back()
-        delta = self.text[self._streamed:end]
-        self._streamed = max(self._streamed, end)
-        return delta
+        """New text safe to send: excludes a tail that could still grow into a stop string.
 
-    def _held_back(self) -> int:
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if s.startswith(self.text[-n:]):
-                    best = n
-                    break
-        return best
+        O(chars released + pieces they span + number of stop strings).
+        """
+        end = self._len
+        if not final and not self.stopped:
+            end -= max((m.state for m in self._matchers), default=0)
+        out: list[str] = []
+        need = end - self._streamed
+        while need > 0:
+            piece = self._pieces[self._sent_piece]
+            take = piece[self._sent_off:self._sent_off + need]
+            out.append(take)
+            need -= len(take)
+            self._sent_off += len(take)
+            if self._sent_off == len(piece):
+                self._sent_piece, self._sent_off = self._sent_piece + 1, 0
+        self._streamed = max(self._streamed, end)
+        return "".join(out)

@@ -1,0 +1,125 @@
+"""The real server (ingress, admission, batcher, executor, supervisor, metrics) in-process, on
+a fake model: the test-only hook for fault injection and for load far beyond what the CPU
+interpreter could compute.
+
+``FakeRunner.execute`` stands in for the ModelRunner: it samples ``next_token(last, pos)`` (a
+function of the sequence only, so outputs are batch-invariant and a solo run is the
+reference), and it can be told to fail, hang, or hold steps until released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.engine.engine import EngineInfo
+from tinyserve.engine.tokenizer import Tokenizer
+from tinyserve.messages import SeqOutput, StepPlan, StepResult
+from tinyserve.models import STORIES260K
+from tinyserve.server import Server
+
+FIRST_WORD, NUM_WORDS = 259, 253  # stories260k's merged pieces: printable text
+
+
+def next_token(last: int, pos: int) -> int:
+    return FIRST_WORD + (last * 31 + pos * 17) % NUM_WORDS
+
+
+@dataclass
+class FakeRunner:
+    step_seconds: float = 0.0
+    fail_next: int = 0  # fail this many steps
+    poison: int | None = None  # fail every step that computes this token id
+    hang: threading.Event | None = None  # while set to an unset Event, steps block on it
+    steps: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.hang is not None:
+            self.hang.wait()
+        with self.lock:
+            self.steps += 1
+            if self.fail_next:
+                self.fail_next -= 1
+                raise RuntimeError("injected step failure")
+        if self.poison is not None and any(self.poison in s.token_ids for s in plan.seqs):
+            raise RuntimeError("injected failure: poisoned token")
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        outs = []
+        for s in plan.seqs:
+            if not s.sample:
+                continue
+            end = s.start_pos + len(s.token_ids)
+            tok = next_token(s.token_ids[-1], end)
+            top = None if s.params.logprobs is None else tuple(
+                (FIRST_WORD + i, -1.0 - i) for i in range(s.params.logprobs))
+            outs.append(SeqOutput(s.seq_id, tok, -0.5, top))
+        return StepResult(plan.step_id, tuple(outs))
+
+
+class FakeEngine:
+    def __init__(self, runner: FakeRunner, max_model_len: int = 128, num_kv_blocks: int = 512,
+                 block_size: int = 16) -> None:
+        self.runner = runner
+        self.tokenizer = Tokenizer(STORIES260K)
+        self.info = EngineInfo(
+            model_path=str(STORIES260K), device="cpu", dtype="float32", quantization=None,
+            vocab_size=512, max_model_len=max_model_len, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_bytes=0, weight_bytes=0,
+            weight_bytes_unquantized=0, eos_token_ids=frozenset({2}), random_weights=False)
+
+
+class InProcessServer:
+    """A Server on its own event loop thread; ``url`` is where it listens."""
+
+    def __init__(self, runner: FakeRunner | None = None, *, max_model_len: int = 128,
+                 num_kv_blocks: int = 512, **cfg) -> None:
+        self.runner = runner or FakeRunner()
+        engine_keys = {"max_num_seqs", "max_num_batched_tokens", "block_size"}
+        ecfg = EngineConfig(**{k: v for k, v in cfg.items() if k in engine_keys})
+        scfg = ServerConfig(port=0, **{k: v for k, v in cfg.items() if k not in engine_keys})
+        engine = FakeEngine(self.runner, max_model_len, num_kv_blocks, ecfg.block_size)
+        self.loop = asyncio.new_event_loop()
+        self.server = Server(scfg, ecfg, engine=engine)
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.call(self._start())
+        self.url = f"http://127.0.0.1:{self.server.port}"
+
+    async def _start(self) -> None:
+        await self.server.start_http()
+        await self.server.load()
+
+    def call(self, coro, timeout: float = 60):
+        """Run a coroutine on the server's loop (to read its state there) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def snapshot(self) -> dict:
+        """running, waiting, KV usage and requests held, read on the server's own loop."""
+        async def read():
+            core = self.server.batcher.core
+            return {"running": core.scheduler.num_running, "waiting": core.scheduler.num_waiting,
+                    "kv_usage": core.kv.usage, "requests": len(core.requests),
+                    "live": self.server.ingress.num_live}
+        return self.call(read())
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.snapshot()
+            if not any(snap.values()) or time.monotonic() > deadline:
+                return snap
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.runner.hang is not None:
+            self.runner.hang.set()  # let a wedged step's thread end
+        try:
+            self.call(self.server.close(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)

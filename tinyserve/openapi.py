@@ -1,0 +1,70 @@
+"""``GET /openapi.json``: the API's OpenAPI 3.1 description, generated from the msgspec types.
+
+Generated, not written by hand, so it cannot drift from what the server decodes; standard API
+fuzzers (schemathesis and the like) can drive the server from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tinyserve.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+
+_TYPES = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CompletionRequest,
+          CompletionResponse, ModelList, ErrorResponse)
+
+
+def _ref(t: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{t.__name__}"}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {str(c): {"description": "error", "content": {
+        "application/json": {"schema": _ref(ErrorResponse)}}} for c in codes}
+
+
+def _generate(request: type, response: type, chunk: type, summary: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "the completion (JSON), or Server-Sent Events of "
+                                   f"{chunk.__name__} when stream is true",
+                    "content": {"application/json": {"schema": _ref(response)},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 404, 413, 429, 500, 503)}}}
+
+
+def openapi_spec(version: str) -> dict[str, Any]:
+    _, components = msgspec.json.schema_components(
+        _TYPES, ref_template="#/components/schemas/{name}")
+    probe = {"get": {"responses": {"200": {"description": "ok"}, **_errors(503)}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tinyserve", "version": version,
+                 "description": "OpenAI-compatible completions and chat completions"},
+        "paths": {
+            "/v1/completions": _generate(CompletionRequest, CompletionResponse,
+                                         CompletionResponse, "Create a completion"),
+            "/v1/chat/completions": _generate(ChatCompletionRequest, ChatCompletionResponse,
+                                              ChatCompletionChunk, "Create a chat completion"),
+            "/v1/models": {"get": {"responses": {"200": {"description": "the served models",
+                "content": {"application/json": {"schema": _ref(ModelList)}}}, **_errors(401)}}},
+            "/health": probe,
+            "/ready": probe,
+        },
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
