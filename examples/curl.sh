@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The API with curl. Start a server first: python -m tinyserve --model ../shared/models/stories260k
+# The API with curl. Start a server first: python -m tinyserve   (serves the bundled stories260k)
 set -euo pipefail
 URL=${URL:-http://127.0.0.1:8000}
 MODEL=${MODEL:-$(curl -s "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')}

@@ -1,13 +1,13 @@
 """Offline batch generation with the LLM API (no server): many prompts, one batched run.
 
-    python examples/offline.py ../shared/models/stories260k
+    python examples/offline.py              # the bundled stories260k; or give a model directory
 """
 
 import sys
 
 from tinyserve import LLM, SamplingParams
 
-model = sys.argv[1] if len(sys.argv) > 1 else None  # None: the built-in demo model
+model = sys.argv[1] if len(sys.argv) > 1 else None  # None: the bundled stories260k
 llm = LLM(model)
 prompts = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
 outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))

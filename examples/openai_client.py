@@ -1,6 +1,6 @@
 """Chat and completions with the official OpenAI client, plain and streaming.
 
-    python -m tinyserve --model ../shared/models/stories260k      # in another shell
+    python -m tinyserve                  # in another shell (serves the bundled stories260k)
     python examples/openai_client.py
 """
 

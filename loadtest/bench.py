@@ -1,6 +1,6 @@
 """Serving benchmark: N concurrent streaming clients against tinyserve, several configs in one run.
 
-    python loadtest/bench.py --model ../shared/models/stories260k --concurrency 16 \\
+    python loadtest/bench.py --concurrency 16 \\
         --requests 32 --max-tokens 32
 
 For each config (a set of server flags) it starts ``python -m tinyserve`` on a free port, waits
@@ -176,7 +176,7 @@ def print_table(rows: list[dict], sla_ttft: float, sla_tpot: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    ap.add_argument("--model", default=None, help="model directory (default: the bundled stories260k)")
     ap.add_argument("--url", default=None, help="benchmark this running server instead")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--requests", type=int, default=32)

@@ -95,6 +95,7 @@ def test_a_wedged_step_turns_health_503_and_answers_everyone(make_server):
         while (await _get(srv.url + "/health"))[0] == 200:
             assert time.monotonic() - t0 < 1.0 + 1.0, "/health still 200 after timeout + 1 s"
             await asyncio.sleep(0.05)
+        print(f"\nwedged step (--step-timeout 1): /health 503 after {time.monotonic() - t0:.2f} s")
         statuses = await asyncio.wait_for(asyncio.gather(*pending), 2.0)
         assert all(status == 503 for status, _, _ in statuses), statuses
         events = await asyncio.wait_for(streamed, 2.0)
