@@ -12,12 +12,32 @@ defined), the bindings can simply stay in place: we apply them once, for both la
 (ours import ``tl``, Triton's standard library imports ``core``), and make later patch/undo
 calls no-ops. The same patch functions run, so semantics do not change. If Triton's internals
 change shape, ``install`` leaves the interpreter as it is.
+
+``install`` also makes the interpreter's ``tl.dot`` order-stable: a row's result depends only on
+that row and the other operand, never on its position in the tile or on how many rows share the
+tile. Triton computes ``tl.dot`` as one ``np.matmul``, i.e. one BLAS gemm, and OpenBLAS picks its
+kernels per CPU at run time. Measured (OpenBLAS 0.3.31 via numpy 2.4, forced with
+OPENBLAS_CORETYPE): the Haswell/Zen gemm (AVX2 machines, AMD EPYC) rounds a row 1 ulp
+differently depending on where it sits in the tile, at every tile shape we use; Prescott does so
+when M is not a multiple of its unroll, Sandybridge when N == 1; numpy also switches a 1-row
+tile to gemv. So our kernels' batch invariance (fixed tiles, fixed reduction order) held bit
+for bit on one machine and not on the next. We hand Triton's own ``create_dot`` the operands as
+a stack of one-row products, ``(M, 1, K) @ (K, N)``: numpy then runs the same 1-row BLAS call
+(gemv; sdot when N == 1; its own loop for non-BLAS dtypes) once per row, with the same
+arguments but the row's data. Dtype handling (fp8 -> fp16, the accumulator's dtype, the
+``+ d`` add) stays Triton's. Integer dots (int8 x int8 -> int32) are exact on any path and are
+left alone. Measured (2 cores): a dot alone costs 2-3x more (8-360 us instead of 3-110 us at
+our tile shapes), but decode/prefill steps and the kernel tests are as fast as before: the
+interpreter's per-op overhead dominates.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -42,5 +62,48 @@ def install() -> bool:
 
     original_patch_lang(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
     interp._patch_lang = lambda fn: no_op_scope()
+    _install_row_stable_dot(interp)
     _installed = True
+    return True
+
+
+_DOT_PARAMS = ["self", "a", "b", "d", "input_precision", "max_num_imprecise_acc"]
+
+
+def _install_row_stable_dot(interp) -> bool:
+    """Route the interpreter's ``tl.dot`` through one identical 1-row product per output row.
+
+    NOTE: a gemm's rounding of a row may depend on the row's position in the tile (OpenBLAS
+    Haswell/Zen kernels do this), which broke bitwise batch invariance on some machines only.
+    See the module docstring. No-op (with a warning) if Triton's ``create_dot`` changed shape.
+    """
+    try:
+        builder_cls = interp.InterpreterBuilder
+        handle_cls = interp.TensorHandle
+        original = builder_cls.create_dot
+        params = list(inspect.signature(original).parameters)
+    except (AttributeError, TypeError, ValueError) as e:  # pragma: no cover - Triton version
+        log.warning("Triton interpreter row-stable dot unavailable: %s", e)
+        return False
+    if getattr(original, "_row_stable", False):
+        return True
+    if params != _DOT_PARAMS:  # pragma: no cover - Triton version
+        log.warning("Triton interpreter row-stable dot unavailable: create_dot%s", params)
+        return False
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not np.issubdtype(d.data.dtype, np.floating) or a.data.ndim < 2:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        # (..., M, K) @ (..., K, N) as (..., M, 1, K) @ (..., 1, K, N): numpy loops over the rows
+        # and hands each the same 1-row BLAS call. The row is made contiguous first, so the
+        # call numpy picks (BLAS or its own loop) cannot depend on the tile's strides (a
+        # transposed tile's row is contiguous only when M == 1).
+        rows = np.ascontiguousarray(a.data)[..., :, None, :]
+        out = original(self, handle_cls(rows, a.dtype), handle_cls(b.data[..., None, :, :], b.dtype),
+                       handle_cls(d.data[..., :, None, :], d.dtype), input_precision,
+                       max_num_imprecise_acc)
+        return handle_cls(out.data.reshape(d.data.shape), out.dtype)
+
+    create_dot._row_stable = True
+    builder_cls.create_dot = create_dot
     return True

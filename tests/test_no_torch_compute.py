@@ -39,9 +39,9 @@ def test_engine_step_runs_no_torch_compute(tmp_path):
     cfg = EngineConfig(model=str(tmp_path), num_kv_blocks=16, max_model_len=128)
     engine = Engine(cfg)
     core = EngineCore(CoreConfig.from_engine(cfg, engine.info), engine.tokenizer)
-    core.add_request([256, 1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
-    core.add_request([256, 9, 8], SamplingParams(max_tokens=3, temperature=0.9, top_k=5,
-                                                 top_p=0.8, logprobs=2))
+    core.add_request(1, [256, 1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
+    core.add_request(2, [256, 9, 8], SamplingParams(max_tokens=3, temperature=0.9, top_k=5,
+                                                    top_p=0.8, logprobs=2))
     steps = 0
     with RecordOps() as rec:
         while core.has_unfinished:

@@ -78,6 +78,7 @@ def test_context_attention_paged(device, dtype, atol, rtol, q_lens, ctx_lens, Hq
 
 def test_chunked_prefill_equals_whole_prefill(device):
     """Chunks of a prompt attending to their cached earlier chunks give the same numbers."""
+    # pins: a query row ignores its tile's other rows and its place there (fixed tiles, order-stable dot)
     n, Hq, Hk, Dh = 77, 8, 4, 8
     k_cache, v_cache, tables, _ = make_paged([n], Hk, Dh, 16, torch.float32, device, seed=1)
     q = torch.randn(n, Hq, Dh, generator=torch.Generator().manual_seed(2)).to(device)
@@ -115,6 +116,7 @@ def test_token_attention_paged(device, dtype, atol, rtol, seq_lens, Hq, Hk, Dh, 
 
 def test_decode_single_split_rows_are_batch_invariant(device):
     """A short sequence gives bit-identical output alone or next to one that needs splitting."""
+    # pins: a sequence's splits and reduction order follow its own length, not the batch's longest
     k_cache, v_cache, tables, _ = make_paged([20, 200], 4, 8, 16, torch.float32, device, seed=5)
     q = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(6)).to(device)
     lens = torch.tensor([20, 200], device=device)
@@ -137,6 +139,7 @@ def test_decode_equals_last_row_of_prefill(device):
 
 def test_decode_rows_are_batch_invariant_across_sequence_slots(device):
     """A sequence's decode output is bit-identical alone or sharing a program with others."""
+    # pins: a sequence ignores the others sharing its program (their slots, masked keys; order-stable dot)
     lens = [37, 5, 130, 64, 1]
     k_cache, v_cache, tables, _ = make_paged(lens, 2, 16, 16, torch.float32, device, seed=11)
     q = torch.randn(len(lens), 8, 16, generator=torch.Generator().manual_seed(12)).to(device)

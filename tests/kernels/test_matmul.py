@@ -29,6 +29,7 @@ def test_matmul_strided_a_and_out_dtype(device):
 
 def test_matmul_rows_are_batch_invariant(device):
     """A row's result must not depend on how many other rows share the call."""
+    # pins: a row ignores its tile's other rows and its place there (fixed tiles, K order; order-stable dot)
     a = torch.randn(70, 80, device=device)
     w = torch.randn(90, 80, device=device)
     full = matmul(a, w)
