@@ -151,3 +151,27 @@ def test_abort_frees_blocks_and_ends_the_stream(tokenizer):
             await asyncio.sleep(0.05)
             assert g.core.kv.usage == 0.0 and g.batcher.num_requests == 0
     asyncio.run(main())
+
+
+def test_the_engine_refuses_what_ingress_should_have_caught(tokenizer):
+    """Defence in depth: a Submit that bypassed ingress's checks is refused with a 400 naming
+    the field, and never reaches a step."""
+    async def main():
+        async with Graph(tokenizer) as g:
+            for i, (prompt, params, field) in enumerate([
+                    ((256, 10**6), SamplingParams(max_tokens=3), "prompt"),
+                    ((256, -1), SamplingParams(max_tokens=3), "prompt"),
+                    ((256, 5), SamplingParams(max_tokens=3, top_k=2**31), "top_k"),
+                    ((256, 5), SamplingParams(max_tokens=3, stop_token_ids=(10**9,)),
+                     "stop_token_ids")]):
+                replies = asyncio.Queue(maxsize=8)
+                g.admission.inbox.put_nowait(Submit(100 + i, prompt, params, time.monotonic(),
+                                                    replies))
+                assert isinstance(await replies.get(), Accepted)
+                failed = await asyncio.wait_for(replies.get(), 5)
+                assert isinstance(failed, Failed) and failed.status == 400, failed
+                assert failed.param == field
+            _, outs = await g.request(1)
+            assert outs[-1].finish_reason == "length"
+            assert g.batcher.num_requests == 0 and g.core.kv.usage == 0.0
+    asyncio.run(main())

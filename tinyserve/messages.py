@@ -159,6 +159,7 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
     status: int
     message: str
     retry_after: float | None = None
+    param: str | None = None  # the request field at fault, for a 400
 
 
 class TokenInfo(msgspec.Struct, frozen=True):

@@ -145,8 +145,9 @@ class Batcher:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   msg.cache_salt, reply_to=msg.reply_to,
                                   arrival_time=msg.arrival_time, internal=msg.internal)
-        except ValueError as e:
-            msg.reply_to.put_nowait(Failed(400, str(e)))
+        except ValueError as e:  # messages start with the field's name
+            field = str(e).split(" ", 1)[0].rstrip(":")
+            msg.reply_to.put_nowait(Failed(400, str(e), param=field))
 
     def _on_abort(self, request_id: int) -> None:
         req = self.core.requests.get(request_id)

@@ -233,7 +233,7 @@ class Ingress:
         first = await call.replies.get()
         if isinstance(first, Failed):
             call.done = True
-            raise ApiError(first.status, first.message, retry_after=first.retry_after)
+            raise ApiError(first.status, first.message, first.param, retry_after=first.retry_after)
         assert isinstance(first, Accepted)
         call.accepted = True
 
@@ -243,7 +243,7 @@ class Ingress:
             msg = await call.replies.get()
             if isinstance(msg, Failed):
                 call.done = True
-                raise ApiError(msg.status, msg.message, retry_after=msg.retry_after)
+                raise ApiError(msg.status, msg.message, msg.param, retry_after=msg.retry_after)
             yield msg
             if msg.finish_reason is not None:
                 call.done = True

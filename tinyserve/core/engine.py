@@ -87,15 +87,8 @@ class EngineCore:
         self.requests[request_id] = req
         return req
 
-    def abort(self, request_id: int) -> Request | None:
-        """Finish a request now (its blocks are freed at once); ``release`` still removes it."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.scheduler.finish(req.seq, "abort")
-        return req
-
     def release(self, request_id: int) -> Request | None:
-        """Forget a finished (or aborted) request."""
+        """Forget a request; one still unfinished is aborted (its blocks are freed at once)."""
         req = self.requests.pop(request_id, None)
         if req is not None and not req.seq.is_finished:
             self.scheduler.finish(req.seq, "abort")
