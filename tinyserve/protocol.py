@@ -31,7 +31,9 @@ class ApiError(Exception):
 
     def body(self) -> bytes:
         return msgspec.json.encode(ErrorResponse(ErrorInfo(
-            self.message, self.TYPES.get(self.status, "server_error"), self.param, self.code)))
+            self.message, self.TYPES.get(self.status, "invalid_request_error"
+                                         if self.status < 500 else "server_error"),
+            self.param, self.code)))
 
 
 class ErrorInfo(msgspec.Struct):

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from tinyserve import __version__
 from tinyserve.actors.admission import Admission, too_many
@@ -189,7 +190,7 @@ class Ingress:
     async def _generate(self, request: web.Request, kind: type) -> web.StreamResponse:
         self._auth(request)
         b = self._backend()
-        req = decode_request(await request.read(), kind)
+        req = decode_request(await self._body(request), kind)
         if req.model != self.model_name:
             raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
                            code="model_not_found")
@@ -319,6 +320,13 @@ class Ingress:
             raise ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer "
                            "<key>')", code="invalid_api_key")
 
+    @staticmethod
+    async def _body(request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
+            raise ApiError(400, f"could not read the request body: {e}") from None
+
     def _backend(self) -> Backend:
         if self.backend is None:
             raise ApiError(503, "the model is still loading", retry_after=5.0)
@@ -369,10 +377,11 @@ class Ingress:
                            param="prompt")
         if len(prompt) >= b.max_model_len:  # before looking at each element
             self._max_tokens(b, 1, len(prompt), "max_tokens", "prompt")
-        bad = next((t for t in prompt if not (type(t) is int and 0 <= t < b.vocab_size)), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt: token id {msgspec.json.encode(bad)[:40].decode()} is "
-                           f"not an integer in the vocabulary [0, {b.vocab_size})", param="prompt")
+        bad = [t for t in prompt if not (type(t) is int and 0 <= t < b.vocab_size)]
+        if bad:  # (a list: a null id must not pass for "nothing bad")
+            raise ApiError(400, f"prompt: token id {msgspec.json.encode(bad[0])[:40].decode()} "
+                           f"is not an integer in the vocabulary [0, {b.vocab_size})",
+                           param="prompt")
         return prompt
 
     def _max_tokens(self, b: Backend, requested: int | None, prompt_len: int, param: str,
