@@ -39,9 +39,7 @@ class Graph:
         self.executor = Executor(execute or self._fake_step)
         self.batcher = Batcher(self.core, self.executor.inbox, self.metrics, capacity)
         self.executor.outbox = self.batcher.inbox
-        self.admission = Admission(
-            self.batcher.inbox, lambda: (self.batcher.num_requests, self.batcher.submits_received),
-            capacity)
+        self.admission = Admission(self.batcher.inbox, lambda: 0, capacity)
         self.admission.ready = True
 
     def _fake_step(self, plan):
@@ -75,11 +73,14 @@ class Graph:
             return first, []
         assert isinstance(first, Accepted)
         outs = []
-        while True:
-            out = await asyncio.wait_for(replies.get(), 10)
-            outs.append(out)
-            if isinstance(out, Failed) or out.finish_reason:
-                return first, outs
+        try:
+            while True:
+                out = await asyncio.wait_for(replies.get(), 10)
+                outs.append(out)
+                if isinstance(out, Failed) or out.finish_reason:
+                    return first, outs
+        finally:
+            self.admission.release()  # what ingress does when the request's handler ends
 
 
 def test_requests_flow_through_the_actors(tokenizer):

@@ -241,3 +241,18 @@ def test_per_call_work_is_flat_in_output_and_stop_length(tok, monkeypatch):
     # 7 times the lines per step, 14 times the worst lines per char).
     assert statistics.mean(long["lines"]) <= 1.2 * statistics.mean(short["lines"])
     assert max(long["work"]) <= 1.2 * max(short["work"])
+
+
+@pytest.mark.parametrize("token,text", [(2, ""), (1, ""), (0x80 + 3, "\ufffd")])
+def test_runs_of_tokens_that_add_no_text_cost_a_bounded_decode(tok, monkeypatch, token, text):
+    """A long run of skipped special tokens (EOS with ignore_eos, BOS) or of bytes that never
+    complete a character must not re-decode the whole run on every token."""
+    widths = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, skip=True: widths.append(len(ids)) or
+                        decode(ids, skip))
+    d = IncrementalDetokenizer(tok, [1, 403], ())
+    for _ in range(2000):
+        d.add(token)
+    assert max(widths) <= IncrementalDetokenizer.WINDOW + IncrementalDetokenizer.MAX_CHAR_TOKENS + 1
+    assert d.text == text * (len(d.text) // max(len(text), 1))  # invalid bytes come out as U+FFFD

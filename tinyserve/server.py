@@ -79,9 +79,9 @@ class Server:
         self.executor.outbox = batcher.inbox
         self.supervisor = Supervisor(self.executor, self._on_fatal, self.cfg.step_timeout_s,
                                      self.cfg.max_failed_steps)
-        self.admission = Admission(batcher.inbox,
-                                   lambda: (batcher.num_requests, batcher.submits_received),
-                                   capacity, lambda: self.supervisor.failure)
+        self.admission = Admission(
+            batcher.inbox, lambda: self.ingress.aborts_sent - batcher.aborts_received, capacity,
+            lambda: self.supervisor.failure)
         self.supervisor.watch(self.executor.start())
         for name, coro in (("metrics", self.metrics.run()), ("batcher", batcher.run()),
                            ("admission", self.admission.run()),
@@ -112,6 +112,7 @@ class Server:
             msg = await replies.get()
             if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
                 break
+        self.admission.release()
         if isinstance(msg, Failed):
             raise RuntimeError(f"warm-up step failed: {msg.message}")
         log.info("warm-up done in %.2fs", time.perf_counter() - t0)
@@ -125,19 +126,26 @@ class Server:
         await self._stop.wait()
 
     async def drain(self) -> None:
-        """Let running requests finish (up to drain_timeout_s); the rest end with a 503."""
+        """Let every request in flight finish (up to drain_timeout_s); the rest end with 503.
+
+        "In flight" is every HTTP handler still waiting on a request, wherever it is: parsing,
+        before admission, queued, running, or writing its last bytes."""
         if self.batcher is None:
             return
-        log.info("draining: %d requests in flight", self.batcher.num_requests)
-        try:
-            await asyncio.wait_for(self.batcher.wait_idle(), self.cfg.drain_timeout_s)
-        except TimeoutError:
-            log.warning("drain timeout: ending %d requests with 503", self.batcher.num_requests)
+        log.info("draining: %d requests in flight", self.ingress.num_live)
+        if not await self._until_no_live(self.cfg.drain_timeout_s):
+            log.warning("drain timeout: ending %d requests with 503", self.ingress.num_live)
             self.batcher.inbox.put_nowait(AbortAll(503, "the server is shutting down"))
-        # Let the handlers write their last bytes (bounded: a stuck client must not hold us).
-        deadline = time.monotonic() + 2.0
-        while self.ingress.num_live and time.monotonic() < deadline:
+            # Their handlers write the error (bounded: a stuck client must not hold us).
+            await self._until_no_live(2.0)
+
+    async def _until_no_live(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while self.ingress.num_live:
+            if time.monotonic() >= deadline:
+                return False
             await asyncio.sleep(0.02)
+        return True
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -119,7 +119,7 @@ class InProcessServer:
         if self.runner.hang is not None:
             self.runner.hang.set()  # let a wedged step's thread end
         try:
-            self.call(self.server.close(), timeout=30)
+            self.call(self.server.close(), timeout=30)  # (closing twice is harmless)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)

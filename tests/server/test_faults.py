@@ -51,6 +51,10 @@ def test_a_raising_step_fails_only_its_requests_and_the_server_stays_ready(make_
         assert after[0] == 200 and after[1]["usage"]["completion_tokens"] == 8
         assert (await _get(srv.url + "/ready"))[0] == 200
         assert (await _get(srv.url + "/health"))[0] == 200
+        async with aiohttp.ClientSession() as session, session.get(srv.url + "/metrics") as r:
+            metrics = await r.text()
+        assert 'request_errors_total{code="500"}' in metrics
+        assert 'finished_reason="error"' not in metrics  # a failure is not a success
 
     asyncio.run(main())
     assert srv.wait_idle() == {"running": 0, "waiting": 0, "kv_usage": 0.0, "requests": 0,
@@ -105,6 +109,10 @@ def test_a_wedged_step_turns_health_503_and_answers_everyone(make_server):
         assert (await _get(srv.url + "/ready"))[0] == 503
 
     asyncio.run(main())
+    # Shutting down does not wait for the wedged step (the process must be able to exit).
+    t0 = time.monotonic()
+    srv.call(srv.server.close(), timeout=10)
+    assert time.monotonic() - t0 < 5 and srv.server.executor.busy
 
 
 async def _stream_events(url: str, body: dict) -> list[str]:

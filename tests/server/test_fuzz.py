@@ -179,7 +179,9 @@ def _chat_max_tokens(body: dict, value) -> None:
 
 def _bad_message(body: dict, bad) -> None:
     at, message = bad
-    body["messages"] = body["messages"][:at] + [message] + body["messages"][at:]
+    messages = body.get("messages")  # an earlier mutation may have replaced the list
+    messages = messages if isinstance(messages, list) else []
+    body["messages"] = messages[:at] + [message] + messages[at:]
 
 
 def _delete(field: str):

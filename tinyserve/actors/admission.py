@@ -30,23 +30,32 @@ def too_many(capacity: int) -> Failed:
 
 
 class Admission:
-    def __init__(self, batcher_inbox: asyncio.Queue, batcher_counts: Callable[[], tuple[int, int]],
+    def __init__(self, batcher_inbox: asyncio.Queue, pending_aborts: Callable[[], int],
                  capacity: int, unhealthy: Callable[[], str | None] = lambda: None) -> None:
         self._batcher_inbox = batcher_inbox
-        # (requests the batcher holds, Submits it has taken from its inbox): a snapshot, the
-        # batcher owns both
-        self._batcher_counts = batcher_counts
+        self._pending_aborts = pending_aborts  # Aborts sent but not yet taken by the batcher
         self._unhealthy = unhealthy  # the supervisor's verdict: None, or why not
         self.capacity = capacity
         self.inbox: asyncio.Queue[Submit] = asyncio.Queue(maxsize=capacity)
         self.ready = False  # set once the model is loaded and warmed up
         self.draining = False  # set on SIGTERM
         self.num_admitted = 0
+        self.num_released = 0
+
+    def release(self) -> None:
+        """An accepted request is over for good: its HTTP handler has ended (so its reply
+        queue is gone too). Called by ingress (and by the server for its warm-up)."""
+        self.num_released += 1
 
     def in_system(self) -> int:
-        """Requests the batcher holds plus the Submits still on their way to it."""
-        held, received = self._batcher_counts()
-        return held + self.num_admitted - received
+        """Requests holding a slot, from acceptance until their handler ends (a slow reader
+        keeps its slot), plus Aborts still on their way to the batcher.
+
+        Each slot puts at most one Submit and one Abort in the batcher's inbox, and an Abort
+        keeps counting until the batcher takes it, so that inbox never holds more than about
+        2 * capacity messages (its size: see the batcher).
+        """
+        return self.num_admitted - self.num_released + self._pending_aborts()
 
     async def run(self) -> None:
         while True:
@@ -67,6 +76,6 @@ class Admission:
         if self.in_system() >= self.capacity:
             msg.reply_to.put_nowait(too_many(self.capacity))
             return
-        self._batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see batcher)
+        self._batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see in_system)
         self.num_admitted += 1
         msg.reply_to.put_nowait(Accepted())

@@ -10,9 +10,10 @@ A message that fails is logged and the actor goes on. An exception while *schedu
 caught: the scheduler's state can no longer be trusted, so the task dies and the supervisor
 marks the server unhealthy and answers everyone waiting.
 
-Inbox capacity: 2 * (admission capacity) + 8. Admission bounds the requests in the system, and
-each contributes at most one Submit and one Abort, plus one StepResult and one AbortAll, so
-``put_nowait`` from ingress (aborts) and admission can never find it full.
+Inbox capacity: 2 * (admission capacity) + 8. Admission counts a request from acceptance until
+its handler ends, plus its Abort until taken from here (see ``Admission.in_system``): at most
+about 2 * capacity Submits and Aborts, plus one StepResult and one AbortAll, so ``put_nowait``
+from ingress (aborts) and admission can never find it full.
 """
 
 from __future__ import annotations
@@ -58,18 +59,13 @@ class Batcher:
         self._metrics = metrics
         self._batch_timeout = batch_timeout_ms / 1000.0
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=2 * capacity + 8)
-        self.submits_received = 0  # read by admission to count Submits still in the inbox
+        self.aborts_received = 0  # read by admission: Aborts still queued count against capacity
         self._in_flight: StepPlan | None = None
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     # -- queries (snapshots for other actors) ------------------------------------------------
     @property
     def num_requests(self) -> int:
         return len(self.core.requests)
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
 
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -81,7 +77,6 @@ class Batcher:
                 await self._wait_for_company()
                 if self._in_flight is None and self.core.has_unfinished:
                     self._launch()
-            self._update_idle()
 
     def _handle(self, msg) -> None:
         try:
@@ -91,11 +86,12 @@ class Batcher:
                 case Submit():
                     self._on_submit(msg)
                 case Abort():
+                    self.aborts_received += 1
                     self._on_abort(msg.request_id)
                 case AbortAll():
                     for req in list(self.core.requests.values()):
                         reply(req, Failed(msg.status, msg.message, retry_after=5.0))
-                        self._end(req, "abort")
+                        self._end(req, None)
                     self._emit_stats(0)
                 case _:
                     log.error("batcher: unknown message %r", msg)
@@ -132,15 +128,8 @@ class Batcher:
         self._in_flight = plan
         self._executor_inbox.put_nowait(plan)  # capacity 1 and nothing in flight: never full
 
-    def _update_idle(self) -> None:
-        if self._in_flight is None and not self.core.requests:
-            self._idle.set()
-        else:
-            self._idle.clear()
-
     # -- messages ----------------------------------------------------------------------------
     def _on_submit(self, msg: Submit) -> None:
-        self.submits_received += 1
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   msg.cache_salt, reply_to=msg.reply_to,
@@ -168,7 +157,7 @@ class Batcher:
         for req in self.core.process(plan, result):
             if req.seq.finish_reason == "error":
                 reply(req, Failed(500, "the engine failed while running this request"))
-                self._end(req, "error")
+                self._end(req, None)
                 continue
             req.token_times.append(now)
             self._send(req)
@@ -197,10 +186,11 @@ class Batcher:
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
             cached_tokens=seq.num_cached_tokens))
 
-    def _end(self, req: Request, reason: str) -> None:
-        """Forget the request (freeing its blocks) and record how it ended."""
+    def _end(self, req: Request, reason: str | None) -> None:
+        """Forget the request (freeing its blocks) and record how it finished; None: it failed
+        (ingress counts the error it answered, under request_errors_total)."""
         self.core.release(req.request_id)
-        if req.internal:
+        if req.internal or reason is None:
             return
         seq, arrival, times = req.seq, req.arrival_time, req.token_times
         self._metrics.emit(RequestFinished(

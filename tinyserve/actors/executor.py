@@ -5,19 +5,26 @@ step computes. Inbox capacity 1: the batcher keeps at most one step in flight, s
 would be a bug, not back-pressure. A step that raises becomes a StepResult with ``error`` set;
 the actor keeps serving. ``busy_since`` and ``consecutive_failures`` are the snapshots the
 supervisor reads to see a wedged device or a failing one.
+
+The worker is one daemon thread, not a ThreadPoolExecutor: a wedged step never returns, and
+the interpreter joins pool threads at exit, so a wedged pool thread would keep the process
+(that the orchestrator is trying to restart) alive forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from tinyserve.messages import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+
+_STOP = None  # tells the worker thread to end
 
 
 class Executor:
@@ -25,22 +32,29 @@ class Executor:
         self._execute = execute  # the ModelRunner's execute: owns weights and KV tensors
         self.outbox: asyncio.Queue | None = None  # the batcher's inbox, wired by the server
         self.inbox: asyncio.Queue[StepPlan] = asyncio.Queue(maxsize=1)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-step")
         self.task: asyncio.Task | None = None
-        self.busy_since: float | None = None  # time.monotonic() when the step in flight began
+        # Set and cleared by the worker thread itself, so cancelling the task cannot hide a
+        # step that is still running.
+        self.busy_since: float | None = None  # time.monotonic() when the running step began
         self.consecutive_failures = 0
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._worker, name="tinyserve-step", daemon=True)
 
     def start(self) -> asyncio.Task:
+        self._thread.start()
         self.task = asyncio.get_running_loop().create_task(self.run(), name="executor")
         return self.task
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            plan = await self.inbox.get()
+    @property
+    def busy(self) -> bool:
+        return self.busy_since is not None
+
+    def _worker(self) -> None:
+        while (job := self._work.get()) is not _STOP:
+            plan, loop, done = job
             self.busy_since = time.monotonic()
             try:
-                result = await loop.run_in_executor(self._pool, self._execute, plan)
+                result = self._execute(plan)
                 self.consecutive_failures = 0
             except Exception as e:  # a failed step must not take the server down
                 log.exception("step %d failed", plan.step_id)
@@ -48,12 +62,25 @@ class Executor:
                 result = StepResult(plan.step_id, (), error=f"{type(e).__name__}: {e}")
             finally:
                 self.busy_since = None
-            await self.outbox.put(result)
+            loop.call_soon_threadsafe(_resolve, done, result)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            plan = await self.inbox.get()
+            done = loop.create_future()
+            self._work.put((plan, loop, done))
+            await self.outbox.put(await done)
 
     async def stop(self) -> None:
-        wedged = self.busy_since is not None
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        # A wedged step never returns: do not wait for its thread (the process is exiting).
-        self._pool.shutdown(wait=not wedged, cancel_futures=True)
+        self._work.put(_STOP)
+        if self._thread.is_alive() and not self.busy:  # a busy thread may be wedged: leave it
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+
+def _resolve(done: asyncio.Future, result: StepResult) -> None:
+    if not done.cancelled():
+        done.set_result(result)

@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CLIENT_ID = web.RequestKey("client_id", str)  # X-Request-Id: echoed and logged, never a key
 OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
+OFF_LOOP_LOGPROBS = 256  # whole bodies with more logprob entries are shaped in a worker thread
+MAX_PARSING = 64  # requests reading / checking / tokenizing at once; the rest wait their turn
+WRITE_TIMEOUT_S = 30.0  # a streaming client that reads nothing for this long has gone
 
 
 def _json(obj, status: int = 200) -> web.Response:
@@ -95,6 +98,10 @@ class Ingress:
         self._ids = itertools.count(1)  # the server's request ids (0 is the warm-up's)
         self._live: dict[int, _Call] = {}  # requests with a handler waiting on them
         self._orphans: set[asyncio.Task] = set()  # aborts waiting for admission's decision
+        # Bounds the work (and body memory) before admission: waiting handlers hold only
+        # their socket, since aiohttp reads a body when asked to.
+        self._parsing = asyncio.Semaphore(MAX_PARSING)
+        self.aborts_sent = 0  # read by admission (with the batcher's aborts_received)
 
     @property
     def num_live(self) -> int:
@@ -190,6 +197,38 @@ class Ingress:
     async def _generate(self, request: web.Request, kind: type) -> web.StreamResponse:
         self._auth(request)
         b = self._backend()
+        if b.supervisor.failure:
+            raise ApiError(503, f"the server is unhealthy: {b.supervisor.failure}",
+                           retry_after=5.0)
+        async with self._parsing:
+            req, prompt_ids, params = await self._parse(request, b, kind)
+        shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
+            req, self.model_name, b.tokenizer, params.logprobs is not None)
+        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8))
+        self._live[call.rid] = call
+        try:
+            await self._submit(b, call, prompt_ids, params)
+            if req.stream:
+                return await self._stream(request, call, shaper)
+            outs = []
+            async with contextlib.aclosing(self._outputs(call)) as outputs:
+                async for out in outputs:
+                    outs.append(out)
+            if sum(len(o.tokens) for o in outs) > OFF_LOOP_LOGPROBS:
+                body = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: msgspec.json.encode(shaper.body(outs)))
+                return web.Response(body=body, content_type="application/json")
+            return _json(shaper.body(outs))
+        finally:
+            del self._live[call.rid]
+            if not call.done:
+                self._abort(b, call)
+            if call.accepted:
+                b.admission.release()
+
+    async def _parse(self, request: web.Request, b: Backend, kind: type
+                     ) -> tuple[ChatCompletionRequest | CompletionRequest, list[int], SamplingParams]:
+        """Body -> (request, prompt ids, sampling params), every field bounded (400 naming it)."""
         req = decode_request(await self._body(request), kind)
         if req.model != self.model_name:
             raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
@@ -203,24 +242,7 @@ class Ingress:
                                 "max_tokens")
         max_tokens = self._max_tokens(b, requested, len(prompt_ids), param,
                                       "messages" if chat else "prompt")
-        params = to_sampling_params(req, max_tokens, b.vocab_size)
-        shaper = (ChatShaper if chat else CompletionShaper)(
-            req, self.model_name, b.tokenizer, params.logprobs is not None)
-        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8))
-        self._live[call.rid] = call
-        try:
-            await self._submit(b, call, prompt_ids, params)
-            if req.stream:
-                return await self._stream(request, call, shaper)
-            outs = []
-            async with contextlib.aclosing(self._outputs(call)) as outputs:
-                async for out in outputs:
-                    outs.append(out)
-            return _json(shaper.body(outs))
-        finally:
-            del self._live[call.rid]
-            if not call.done:
-                self._abort(b, call)
+        return req, prompt_ids, to_sampling_params(req, max_tokens, b.vocab_size)
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
                       params: SamplingParams) -> None:
@@ -258,7 +280,11 @@ class Ingress:
         await resp.prepare(request)
 
         async def send(obj) -> None:
-            await resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+            try:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+            except TimeoutError:  # it stopped reading: treat it as gone (aborts the request)
+                raise ConnectionResetError("the client stopped reading the stream") from None
 
         for chunk in shaper.opening():
             await send(chunk)
@@ -287,12 +313,13 @@ class Ingress:
         """The client left before admission decided: if it accepts, abort right behind."""
         if isinstance(await call.replies.get(), Accepted):
             self._send_abort(b, call.rid)
+            b.admission.release()
 
-    @staticmethod
-    def _send_abort(b: Backend, rid: int) -> None:
+    def _send_abort(self, b: Backend, rid: int) -> None:
         try:
             b.batcher_inbox.put_nowait(Abort(rid))
-        except asyncio.QueueFull:  # sized so it cannot be; if it is, the request runs out
+            self.aborts_sent += 1
+        except asyncio.QueueFull:  # sized so it cannot be (see Admission.in_system)
             log.error("batcher inbox full: request %d could not be aborted", rid)
 
     def fail_all(self, status: int, message: str) -> None:
@@ -307,6 +334,8 @@ class Ingress:
                     break
                 except asyncio.QueueFull:
                     call.replies.get_nowait()
+            if call.accepted and self.backend is not None:  # a live batcher may still run it
+                self._send_abort(self.backend, call.rid)
 
     # -- checks ----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> None:
@@ -350,8 +379,13 @@ class Ingress:
     async def _chat_prompt(self, b: Backend, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
+        if len(req.messages) > b.max_model_len:  # no template renders a turn in under a token
+            raise ApiError(400, f"messages: {len(req.messages)} messages cannot fit in "
+                           f"{b.max_model_len} tokens", param="messages",
+                           code="context_length_exceeded")
         messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
-        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        # Characters, plus a few per turn for the template's markup: what rendering costs.
+        chars = sum(len(m["content"]) + len(m["role"]) + 16 for m in messages)
         self._check_chars(b, chars, "messages")
         try:
             prompt = await self._off_loop(chars, b.tokenizer.apply_chat_template, messages)

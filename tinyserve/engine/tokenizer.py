@@ -184,6 +184,7 @@ class IncrementalDetokenizer:
     """
 
     WINDOW = 5
+    MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 byte tokens; past that, it is invalid
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | tuple[int, ...],
                  stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
@@ -219,7 +220,13 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if new_text.endswith("\ufffd") and len(self._ids) - self._read < self.MAX_CHAR_TOKENS:
+            return  # an unfinished multi-byte character: wait for its other bytes
+        if len(new_text) <= len(prefix_text):
+            # No text (a skipped special token): slide the window anyway, so that a long run
+            # of such tokens costs O(WINDOW) per token instead of re-decoding the whole run.
+            self._read = len(self._ids)
+            self._prefix = max(self._prefix, self._read - self.WINDOW)
             return
         self._prefix, self._read = self._read, len(self._ids)
         self._append(new_text[len(prefix_text):])
