@@ -27,6 +27,7 @@ from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
 from tinyserve.config import EngineConfig, ServerConfig
 from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
+from tinyserve.prompts import PromptParser
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ class Server:
                            ("admission", self.admission.run()),
                            ("supervisor", self.supervisor.run())):
             self.supervisor.watch(loop.create_task(coro, name=name))
-        self.ingress.backend = Backend(info.max_model_len, info.vocab_size, engine.tokenizer,
-                                       self.admission, batcher.inbox, self.metrics,
+        parser = PromptParser(self.model_name, info.max_model_len, info.vocab_size,
+                              engine.tokenizer)
+        self.ingress.backend = Backend(parser, self.admission, batcher.inbox, self.metrics,
                                        self.supervisor)
         await self._warm_up(engine.tokenizer)
         self.admission.ready = True

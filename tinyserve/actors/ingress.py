@@ -2,9 +2,9 @@
 
 One generate path serves both APIs:
 
-    auth -> decode + bound every field (400 naming it) -> model check -> prompt ids (cheap
-    size check first; big inputs templated / tokenized off the loop) -> sampling params ->
-    submit (admission answers Accepted or 429/503) -> stream SSE, or collect one body
+    auth -> parse: decode + bound every field, prompt ids, sampling params (``prompts.py``;
+    400 naming the field) -> submit (admission answers Accepted or 429/503) -> stream SSE, or
+    collect one body
 
 What the answer says is the Shaper's business (``responses.py``); this file moves bytes. Each
 request gets the server's own id; the client's ``X-Request-Id`` is only echoed and logged.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import itertools
 import logging
@@ -26,7 +25,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -37,18 +35,15 @@ from tinyserve.actors.admission import Admission, too_many
 from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
 from tinyserve.config import ServerConfig
-from tinyserve.engine.tokenizer import Tokenizer
 from tinyserve.messages import Abort, Accepted, Failed, Output, RequestFailed, SamplingParams, Submit
 from tinyserve.openapi import openapi_spec
+from tinyserve.prompts import PromptParser
 from tinyserve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
-    decode_request,
-    message_text,
-    to_sampling_params,
 )
 from tinyserve.responses import ChatShaper, CompletionShaper
 
@@ -56,7 +51,6 @@ log = logging.getLogger(__name__)
 
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CLIENT_ID = web.RequestKey("client_id", str)  # X-Request-Id: echoed and logged, never a key
-OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
 OFF_LOOP_LOGPROBS = 256  # whole bodies with more logprob entries are shaped in a worker thread
 MAX_PARSING = 64  # requests reading / checking / tokenizing at once; the rest wait their turn
 WRITE_TIMEOUT_S = 30.0  # a streaming client that reads nothing for this long has gone
@@ -71,9 +65,7 @@ def _json(obj, status: int = 200) -> web.Response:
 class Backend:
     """What ingress talks to once the model is loaded (until then handlers answer 503)."""
 
-    max_model_len: int
-    vocab_size: int
-    tokenizer: Tokenizer
+    parser: PromptParser
     admission: Admission
     batcher_inbox: asyncio.Queue
     metrics: Metrics
@@ -182,7 +174,7 @@ class Ingress:
 
     async def models(self, request: web.Request) -> web.Response:
         self._auth(request)
-        return _json(ModelList([ModelCard(self.model_name, self._backend().max_model_len)]))
+        return _json(ModelList([ModelCard(self.model_name, self._backend().parser.max_model_len)]))
 
     async def openapi(self, request: web.Request) -> web.Response:
         return _json(openapi_spec(__version__))
@@ -201,9 +193,9 @@ class Ingress:
             raise ApiError(503, f"the server is unhealthy: {b.supervisor.failure}",
                            retry_after=5.0)
         async with self._parsing:
-            req, prompt_ids, params = await self._parse(request, b, kind)
+            req, prompt_ids, params = await b.parser.parse(await self._body(request), kind)
         shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
-            req, self.model_name, b.tokenizer, params.logprobs is not None)
+            req, self.model_name, b.parser.tokenizer, params.logprobs is not None)
         call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8))
         self._live[call.rid] = call
         try:
@@ -225,24 +217,6 @@ class Ingress:
                 self._abort(b, call)
             if call.accepted:
                 b.admission.release()
-
-    async def _parse(self, request: web.Request, b: Backend, kind: type
-                     ) -> tuple[ChatCompletionRequest | CompletionRequest, list[int], SamplingParams]:
-        """Body -> (request, prompt ids, sampling params), every field bounded (400 naming it)."""
-        req = decode_request(await self._body(request), kind)
-        if req.model != self.model_name:
-            raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
-                           code="model_not_found")
-        chat = isinstance(req, ChatCompletionRequest)
-        prompt_ids = await (self._chat_prompt(b, req) if chat else self._completion_prompt(b, req))
-        if chat and req.max_completion_tokens is not None:
-            requested, param = req.max_completion_tokens, "max_completion_tokens"
-        else:
-            requested, param = (16 if req.max_tokens is None and not chat else req.max_tokens,
-                                "max_tokens")
-        max_tokens = self._max_tokens(b, requested, len(prompt_ids), param,
-                                      "messages" if chat else "prompt")
-        return req, prompt_ids, to_sampling_params(req, max_tokens, b.vocab_size)
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
                       params: SamplingParams) -> None:
@@ -360,78 +334,3 @@ class Ingress:
         if self.backend is None:
             raise ApiError(503, "the model is still loading", retry_after=5.0)
         return self.backend
-
-    def _check_chars(self, b: Backend, chars: int, param: str) -> None:
-        """Reject text that cannot fit the context without tokenizing it: no token is longer
-        than ``max_token_chars`` characters, so more characters than that many per context
-        slot is more tokens than the context holds."""
-        limit = b.max_model_len * b.tokenizer.max_token_chars
-        if chars > limit:
-            raise ApiError(400, f"This model's maximum context length is {b.max_model_len} "
-                           f"tokens; {param} has {chars} characters, more than that many tokens "
-                           f"can hold ({limit}).", param=param, code="context_length_exceeded")
-
-    async def _off_loop(self, size: int, fn: Callable, *args: Any) -> Any:
-        if size <= OFF_LOOP_CHARS:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
-
-    async def _chat_prompt(self, b: Backend, req: ChatCompletionRequest) -> list[int]:
-        if not req.messages:
-            raise ApiError(400, "messages must not be empty", param="messages")
-        if len(req.messages) > b.max_model_len:  # no template renders a turn in under a token
-            raise ApiError(400, f"messages: {len(req.messages)} messages cannot fit in "
-                           f"{b.max_model_len} tokens", param="messages",
-                           code="context_length_exceeded")
-        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
-        # Characters, plus a few per turn for the template's markup: what rendering costs.
-        chars = sum(len(m["content"]) + len(m["role"]) + 16 for m in messages)
-        self._check_chars(b, chars, "messages")
-        try:
-            prompt = await self._off_loop(chars, b.tokenizer.apply_chat_template, messages)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        self._check_chars(b, len(prompt), "messages")
-        return await self._off_loop(len(prompt), b.tokenizer.encode, prompt, False)
-
-    async def _completion_prompt(self, b: Backend, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: batched prompts are not supported; send one "
-                               "request per prompt", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError(400, "prompt must not be empty", param="prompt")
-            self._check_chars(b, len(prompt), "prompt")
-            return await self._off_loop(len(prompt), b.tokenizer.encode, prompt)
-        if not isinstance(prompt, list) or not prompt:
-            raise ApiError(400, "prompt must be a string or a non-empty list of token ids",
-                           param="prompt")
-        if len(prompt) >= b.max_model_len:  # before looking at each element
-            self._max_tokens(b, 1, len(prompt), "max_tokens", "prompt")
-        bad = [t for t in prompt if not (type(t) is int and 0 <= t < b.vocab_size)]
-        if bad:  # (a list: a null id must not pass for "nothing bad")
-            raise ApiError(400, f"prompt: token id {msgspec.json.encode(bad[0])[:40].decode()} "
-                           f"is not an integer in the vocabulary [0, {b.vocab_size})",
-                           param="prompt")
-        return prompt
-
-    def _max_tokens(self, b: Backend, requested: int | None, prompt_len: int, param: str,
-                    prompt_param: str) -> int:
-        max_len = b.max_model_len
-        if requested is not None and requested < 1:
-            raise ApiError(400, f"{param} must be at least 1, got {requested}", param=param)
-        if prompt_len >= max_len:
-            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
-                           f"However, your prompt has {prompt_len} tokens.", param=prompt_param,
-                           code="context_length_exceeded")
-        if requested is None:
-            return max_len - prompt_len
-        if prompt_len + requested > max_len:
-            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
-                           f"However, you requested {prompt_len + requested} tokens "
-                           f"({prompt_len} in the prompt, {requested} in the completion).",
-                           param=param, code="context_length_exceeded")
-        return requested

@@ -1,0 +1,134 @@
+"""Request body -> (typed request, prompt token ids, sampling params), every field bounded.
+
+The cheap checks run first, so hostile input costs almost nothing: the body is decoded by
+msgspec (types, nesting depth), the model named, and text longer than the context could ever
+hold is refused by its character count before it is tokenized. Only then are chat templates
+rendered and text tokenized, in a worker thread when the input is large. Every refusal is an
+``ApiError`` 4xx naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from tinyserve.engine.tokenizer import Tokenizer
+from tinyserve.messages import SamplingParams
+from tinyserve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+    message_text,
+    to_sampling_params,
+)
+
+OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
+CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
+
+
+class PromptParser:
+    def __init__(self, model_name: str, max_model_len: int, vocab_size: int,
+                 tokenizer: Tokenizer) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        # No token stands for more characters than max_token_chars: more characters than
+        # that many per context slot cannot fit, whatever the tokenizer would make of them.
+        self.max_chars = max_model_len * tokenizer.max_token_chars
+
+    async def parse(self, body: bytes, kind: type
+                    ) -> tuple[ChatCompletionRequest | CompletionRequest, list[int], SamplingParams]:
+        req = decode_request(body, kind)
+        if req.model != self.model_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
+                           code="model_not_found")
+        chat = isinstance(req, ChatCompletionRequest)
+        prompt_ids = await (self._chat_prompt(req) if chat else self._completion_prompt(req))
+        if chat and req.max_completion_tokens is not None:
+            requested, param = req.max_completion_tokens, "max_completion_tokens"
+        else:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
+            requested, param = (16 if req.max_tokens is None and not chat else req.max_tokens,
+                                "max_tokens")
+        max_tokens = self.max_tokens(requested, len(prompt_ids), param,
+                                     "messages" if chat else "prompt")
+        return req, prompt_ids, to_sampling_params(req, max_tokens, self.vocab_size)
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not req.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        if len(req.messages) > self.max_model_len:  # no template renders a turn in no token
+            raise ApiError(400, f"messages: {len(req.messages)} messages cannot fit in "
+                           f"{self.max_model_len} tokens", param="messages",
+                           code="context_length_exceeded")
+        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        chars = sum(len(m["content"]) + len(m["role"]) + CHARS_PER_TURN for m in messages)
+        self._check_chars(chars, "messages")
+        try:
+            prompt = await _off_loop(chars, self.tokenizer.apply_chat_template, messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        self._check_chars(len(prompt), "messages")
+        return await _off_loop(len(prompt), self.tokenizer.encode, prompt, False)
+
+    async def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt: batched prompts are not supported; send one "
+                               "request per prompt", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt must not be empty", param="prompt")
+            self._check_chars(len(prompt), "prompt")
+            return await _off_loop(len(prompt), self.tokenizer.encode, prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise ApiError(400, "prompt must be a string or a non-empty list of token ids",
+                           param="prompt")
+        if len(prompt) >= self.max_model_len:  # before looking at each element
+            self.max_tokens(1, len(prompt), "max_tokens", "prompt")
+        bad = [t for t in prompt if not (type(t) is int and 0 <= t < self.vocab_size)]
+        if bad:  # (a list: a null id must not pass for "nothing bad")
+            raise ApiError(400, f"prompt: token id {msgspec.json.encode(bad[0])[:40].decode()} "
+                           f"is not an integer in the vocabulary [0, {self.vocab_size})",
+                           param="prompt")
+        return prompt
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens; {param} has {chars} characters, more than that many tokens "
+                           f"can hold ({self.max_chars}).", param=param,
+                           code="context_length_exceeded")
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str,
+                   prompt_param: str) -> int:
+        """The completion's token budget; 400 if the prompt and it exceed the context."""
+        max_len = self.max_model_len
+        if requested is not None and requested < 1:
+            raise ApiError(400, f"{param} must be at least 1, got {requested}", param=param)
+        if prompt_len >= max_len:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
+                           f"However, your prompt has {prompt_len} tokens.", param=prompt_param,
+                           code="context_length_exceeded")
+        if requested is None:
+            return max_len - prompt_len
+        if prompt_len + requested > max_len:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
+                           f"However, you requested {prompt_len + requested} tokens "
+                           f"({prompt_len} in the prompt, {requested} in the completion).",
+                           param=param, code="context_length_exceeded")
+        return requested
+
+
+async def _off_loop(size: int, fn: Callable, *args: Any) -> Any:
+    """Small inputs inline; large ones in a worker thread, so the event loop keeps serving."""
+    if size <= OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
