@@ -254,5 +254,5 @@ def test_runs_of_tokens_that_add_no_text_cost_a_bounded_decode(tok, monkeypatch,
     d = IncrementalDetokenizer(tok, [1, 403], ())
     for _ in range(2000):
         d.add(token)
-    assert max(widths) <= IncrementalDetokenizer.WINDOW + IncrementalDetokenizer.MAX_CHAR_TOKENS + 1
+    assert max(widths, default=0) <= d.WINDOW + d.MAX_CHAR_TOKENS + 1
     assert d.text == text * (len(d.text) // max(len(text), 1))  # invalid bytes come out as U+FFFD

@@ -52,6 +52,8 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._compiled_template = None
         self._token_text: dict[int, str] = {}
+        self.special_ids = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         # No token stands for more characters than its piece has (byte-level pieces have one
         # character per byte, SentencePiece pieces one per character plus the "▁"): ingress
         # rejects text longer than max_model_len of these without tokenizing it.
@@ -217,16 +219,14 @@ class IncrementalDetokenizer:
         """Append one generated token; updates ``text`` and ``stopped``."""
         if self.stopped:
             return
+        if self._skip and token_id in self._tok.special_ids:
+            return  # decodes to nothing: kept out of the window, so a run of them costs O(1)
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
         if new_text.endswith("\ufffd") and len(self._ids) - self._read < self.MAX_CHAR_TOKENS:
             return  # an unfinished multi-byte character: wait for its other bytes
         if len(new_text) <= len(prefix_text):
-            # No text (a skipped special token): slide the window anyway, so that a long run
-            # of such tokens costs O(WINDOW) per token instead of re-decoding the whole run.
-            self._read = len(self._ids)
-            self._prefix = max(self._prefix, self._read - self.WINDOW)
             return
         self._prefix, self._read = self._read, len(self._ids)
         self._append(new_text[len(prefix_text):])
