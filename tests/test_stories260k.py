@@ -1,4 +1,4 @@
-"""Golden tests on the real tiny model (../shared/models/stories260k), as llama2.c does.
+"""Golden tests on the real tiny model (the bundled stories260k), as llama2.c does.
 
 Greedy output must equal transformers' reference.json byte for byte, alone and batched.
 """
@@ -95,3 +95,10 @@ def _argmax_every_position(llm, ids):
     seq = ScheduledSeq(0, tuple(ids), 0, blocks, True, SamplingParams(), 0)
     [logits] = run_step(llm.engine, [seq])
     return logits.argmax(-1).tolist()
+
+
+def test_reference_json_is_what_transformers_makes_today(capsys):
+    """The script that regenerates reference.json runs, and agrees with the file in the repo."""
+    from tinyserve.models.make_reference import main
+
+    assert main(["--check"]) == 0, capsys.readouterr().out
