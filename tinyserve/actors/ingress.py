@@ -114,8 +114,8 @@ class Ingress:
     # -- middleware ----------------------------------------------------------------------------
     @web.middleware
     async def _request_id_mw(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id", "")
-        request[CLIENT_ID] = rid if _REQUEST_ID_OK.match(rid) else uuid.uuid4().hex
+        given = request.headers.get("X-Request-Id", "")
+        request[CLIENT_ID] = given if _REQUEST_ID_OK.match(given) else uuid.uuid4().hex
         resp = await handler(request)
         if not resp.prepared:
             resp.headers["X-Request-Id"] = request[CLIENT_ID]
