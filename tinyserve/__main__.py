@@ -10,7 +10,7 @@ import sys
 # Before numpy/torch load: numpy threads inside Triton's CPU interpreter only slow it down.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from tinyserve.config import EngineConfig, ServerConfig  # noqa: E402
+from tinyserve.config import EngineConfig, ServerConfig, load_tenants  # noqa: E402
 
 
 def parse_size(text: str) -> int:
@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     s.add_argument("--api-key", default=os.environ.get("TINYSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (env TINYSERVE_API_KEY)")
+    s.add_argument("--tenants", default=None, metavar="FILE",
+                   help="TOML file with one [tenants.NAME] table per tenant: api_key, priority, "
+                        "max_concurrent, tokens_per_minute, degradable, cache_group, admin "
+                        "(replaces --api-key)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish; the rest get 503")
     s.add_argument("--step-timeout", type=float, default=60.0,
@@ -100,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching)
+        tenants = load_tenants(args.tenants) if args.tenants else ()
         server_cfg = ServerConfig(
-            host=args.host, port=args.port, served_model_name=args.served_model_name,
+            tenants=tenants, host=args.host, port=args.port, served_model_name=args.served_model_name,
             api_key=args.api_key, max_waiting=args.max_waiting,
             batch_timeout_ms=args.batch_timeout_ms, drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: an unreadable tenants file
         print(f"error: {e}", file=sys.stderr)
         return 2
     from tinyserve.server import serve

@@ -67,6 +67,67 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """One tenant: who it is (its API key), what it may use, how it is treated under load."""
+
+    name: str
+    api_key: str | None = None  # None only for the implicit default tenant without --api-key
+    priority: int = 0  # higher is scheduled first and preempted last
+    max_concurrent: int | None = None  # requests admitted and not yet answered
+    tokens_per_minute: int | None = None  # token bucket over prompt + completion tokens
+    degradable: bool = False  # may be served by a fallback model when degraded
+    cache_group: str | None = None  # prefix-cache sharing scope; None: the tenant's own
+    admin: bool = False  # may change routes live
+
+    def __post_init__(self) -> None:
+        where = f"tenants.{self.name}"
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"tenant names are letters, digits, - and _; got {self.name!r}")
+        for field in ("max_concurrent", "tokens_per_minute"):
+            value = getattr(self, field)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{where}.{field} must be a positive integer, got {value!r}")
+        if type(self.priority) is not int:
+            raise ValueError(f"{where}.priority must be an integer, got {self.priority!r}")
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Block hashes are keyed with this: tenants of different groups never share a block."""
+        return (self.name if self.cache_group is None else self.cache_group).encode()
+
+    @property
+    def key_id(self) -> str:
+        """What logs may show of the key: a short hash, never the key."""
+        import hashlib
+
+        return hashlib.sha256((self.api_key or "").encode()).hexdigest()[:8]
+
+
+def load_tenants(path: str) -> tuple[TenantConfig, ...]:
+    """``--tenants FILE``: one ``[tenants.NAME]`` table per tenant (TOML)."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    tables = data.get("tenants")
+    if not isinstance(tables, dict) or not tables:
+        raise ValueError(f"{path}: expected one or more [tenants.NAME] tables")
+    known = set(TenantConfig.__dataclass_fields__) - {"name"}
+    tenants = []
+    for name, table in tables.items():
+        unknown = set(table) - known
+        if unknown:
+            raise ValueError(f"{path}: tenants.{name}: unknown keys {sorted(unknown)}")
+        if not isinstance(table.get("api_key"), str):
+            raise ValueError(f"{path}: tenants.{name}.api_key is required")
+        tenants.append(TenantConfig(name=name, **table))
+    keys = [t.api_key for t in tenants]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{path}: two tenants share an api_key")
+    return tuple(tenants)
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """The HTTP front end and its admission control."""
 
@@ -80,7 +141,13 @@ class ServerConfig:
     step_timeout_s: float = 60.0  # a step running longer is a wedged device: unhealthy
     max_failed_steps: int = 3  # this many failed steps in a row: unhealthy
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are parsed
+    tenants: tuple[TenantConfig, ...] = ()  # from --tenants; empty: one default tenant
     log_level: str = "info"
+
+    @property
+    def tenant_list(self) -> tuple[TenantConfig, ...]:
+        """The tenants; without a tenants file, one default tenant holding --api-key."""
+        return self.tenants or (TenantConfig("default", self.api_key, cache_group=""),)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -97,5 +164,7 @@ class ServerConfig:
             raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.tenants and self.api_key:
+            raise ValueError("api_key and tenants are exclusive: put keys in the tenants file")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")

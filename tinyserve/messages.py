@@ -127,8 +127,9 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     arrival_time: float  # time.monotonic() at ingress
     reply_to: Any  # asyncio.Queue of Accepted | Failed | Output, owned by the request
-    cache_salt: bytes = b""
-    internal: bool = False  # the server's own warm-up: kept out of request metrics
+    cache_salt: bytes = b""  # the tenant's cache group: prefix-cache sharing scope
+    tenant: str = "default"
+    internal: bool = False  # the server's own warm-up: kept out of request metrics and quotas
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -204,6 +205,11 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True):
     ttft_seconds: float | None
     e2e_seconds: float
     itl_seconds: tuple[float, ...]
+
+
+class AdmissionRejected(msgspec.Struct, frozen=True, tag=True):
+    tenant: str
+    reason: str  # "concurrency" | "tokens" | "capacity"
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):

@@ -82,7 +82,7 @@ class Server:
                                      self.cfg.max_failed_steps)
         self.admission = Admission(
             batcher.inbox, lambda: self.ingress.aborts_sent - batcher.aborts_received, capacity,
-            lambda: self.supervisor.failure)
+            lambda: self.supervisor.failure, self.cfg.tenant_list, self.metrics.emit)
         self.supervisor.watch(self.executor.start())
         for name, coro in (("metrics", self.metrics.run()), ("batcher", batcher.run()),
                            ("admission", self.admission.run()),
@@ -114,7 +114,7 @@ class Server:
             msg = await replies.get()
             if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
                 break
-        self.admission.release()
+        self.admission.release(None)
         if isinstance(msg, Failed):
             raise RuntimeError(f"warm-up step failed: {msg.message}")
         log.info("warm-up done in %.2fs", time.perf_counter() - t0)

@@ -1,9 +1,11 @@
 """Admission actor: decides, per request, whether the engine takes it now.
 
-Rules, in order: the server is unhealthy, not ready or draining -> 503; the engine already
-holds max_num_seqs + max_waiting requests -> 429 with Retry-After; else the Submit goes on to
-the batcher, and only then is the request told Accepted (so an Abort that ingress sends after
-Accepted can never overtake its Submit).
+Rules, in order: the server is unhealthy, not ready or draining -> 503; the tenant is at its
+concurrency limit or out of tokens for the minute -> 429 with the Retry-After its bucket needs
+(``quotas.py``); the engine already holds max_num_seqs + max_waiting requests -> 429 with
+Retry-After; else the Submit goes on to the batcher, and only then is the request told
+Accepted (so an Abort that ingress sends after Accepted can never overtake its Submit).
+Every rejection is counted by tenant and reason.
 
 Inbox capacity: ``capacity`` (max_num_seqs + max_waiting). Ingress puts without waiting; a
 full inbox means at least ``capacity`` requests are already ahead of this one, so ingress
@@ -17,7 +19,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from tinyserve.messages import Accepted, Failed, Submit
+from tinyserve.actors.quotas import TenantQuotas
+from tinyserve.config import TenantConfig
+from tinyserve.messages import Accepted, AdmissionRejected, Failed, Submit
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +35,12 @@ def too_many(capacity: int) -> Failed:
 
 class Admission:
     def __init__(self, batcher_inbox: asyncio.Queue, pending_aborts: Callable[[], int],
-                 capacity: int, unhealthy: Callable[[], str | None] = lambda: None) -> None:
+                 capacity: int, unhealthy: Callable[[], str | None] = lambda: None,
+                 tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),),
+                 emit: Callable[[AdmissionRejected], None] = lambda event: None) -> None:
         self._batcher_inbox = batcher_inbox
+        self.quotas = TenantQuotas(tenants)
+        self._emit = emit
         self._pending_aborts = pending_aborts  # Aborts sent but not yet taken by the batcher
         self._unhealthy = unhealthy  # the supervisor's verdict: None, or why not
         self.capacity = capacity
@@ -42,10 +50,13 @@ class Admission:
         self.num_admitted = 0
         self.num_released = 0
 
-    def release(self) -> None:
+    def release(self, tenant: str | None, unused_tokens: int = 0) -> None:
         """An accepted request is over for good: its HTTP handler has ended (so its reply
-        queue is gone too). Called by ingress (and by the server for its warm-up)."""
+        queue is gone too); ``unused_tokens`` go back to the tenant's bucket. Called by ingress
+        (and, with tenant None, by the server for its warm-up)."""
         self.num_released += 1
+        if tenant is not None:
+            self.quotas.release(tenant, unused_tokens)
 
     def in_system(self) -> int:
         """Requests holding a slot, from acceptance until their handler ends (a slow reader
@@ -73,9 +84,17 @@ class Admission:
                    "the server is shutting down" if self.draining else "the model is not ready")
             msg.reply_to.put_nowait(Failed(503, why, retry_after=5.0))
             return
-        if self.in_system() >= self.capacity:
-            msg.reply_to.put_nowait(too_many(self.capacity))
+        cost = len(msg.prompt_token_ids) + msg.params.max_tokens
+        refusal = None if msg.internal else self.quotas.refuse(msg.tenant, cost)
+        if refusal is None and self.in_system() >= self.capacity:
+            refusal = "capacity", too_many(self.capacity)
+        if refusal is not None:
+            reason, failed = refusal
+            self._emit(AdmissionRejected(msg.tenant, reason))
+            msg.reply_to.put_nowait(failed)
             return
         self._batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see in_system)
         self.num_admitted += 1
+        if not msg.internal:
+            self.quotas.admit(msg.tenant, cost)
         msg.reply_to.put_nowait(Accepted())

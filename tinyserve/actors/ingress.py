@@ -34,8 +34,17 @@ from tinyserve import __version__
 from tinyserve.actors.admission import Admission, too_many
 from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
-from tinyserve.config import ServerConfig
-from tinyserve.messages import Abort, Accepted, Failed, Output, RequestFailed, SamplingParams, Submit
+from tinyserve.config import ServerConfig, TenantConfig
+from tinyserve.messages import (
+    Abort,
+    Accepted,
+    AdmissionRejected,
+    Failed,
+    Output,
+    RequestFailed,
+    SamplingParams,
+    Submit,
+)
 from tinyserve.openapi import openapi_spec
 from tinyserve.prompts import PromptParser
 from tinyserve.protocol import (
@@ -78,6 +87,9 @@ class _Call:
 
     rid: int
     replies: asyncio.Queue
+    tenant: str
+    max_tokens: int
+    generated: int = 0  # completion tokens seen so far (the rest is refunded to the tenant)
     accepted: bool = False  # admission forwarded it to the batcher
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
 
@@ -187,7 +199,7 @@ class Ingress:
         return await self._generate(request, ChatCompletionRequest)
 
     async def _generate(self, request: web.Request, kind: type) -> web.StreamResponse:
-        self._auth(request)
+        tenant = self._auth(request)
         b = self._backend()
         if b.supervisor.failure:
             raise ApiError(503, f"the server is unhealthy: {b.supervisor.failure}",
@@ -196,10 +208,11 @@ class Ingress:
             req, prompt_ids, params = await b.parser.parse(await self._body(request), kind)
         shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
             req, self.model_name, b.parser.tokenizer, params.logprobs is not None)
-        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8))
+        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name,
+                     params.max_tokens)
         self._live[call.rid] = call
         try:
-            await self._submit(b, call, prompt_ids, params)
+            await self._submit(b, call, prompt_ids, params, tenant.cache_salt)
             if req.stream:
                 return await self._stream(request, call, shaper)
             outs = []
@@ -216,15 +229,17 @@ class Ingress:
             if not call.done:
                 self._abort(b, call)
             if call.accepted:
-                b.admission.release()
+                b.admission.release(call.tenant, call.max_tokens - call.generated)
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
-                      params: SamplingParams) -> None:
-        msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies)
+                      params: SamplingParams, cache_salt: bytes) -> None:
+        msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies,
+                     cache_salt, call.tenant)
         try:
             b.admission.inbox.put_nowait(msg)
         except asyncio.QueueFull:  # capacity requests are already ahead of this one
             call.done = True
+            b.metrics.emit(AdmissionRejected(call.tenant, "capacity"))
             f = too_many(b.admission.capacity)
             raise ApiError(f.status, f.message, retry_after=f.retry_after) from None
         first = await call.replies.get()
@@ -241,6 +256,7 @@ class Ingress:
             if isinstance(msg, Failed):
                 call.done = True
                 raise ApiError(msg.status, msg.message, msg.param, retry_after=msg.retry_after)
+            call.generated = msg.completion_tokens or call.generated
             yield msg
             if msg.finish_reason is not None:
                 call.done = True
@@ -287,7 +303,7 @@ class Ingress:
         """The client left before admission decided: if it accepts, abort right behind."""
         if isinstance(await call.replies.get(), Accepted):
             self._send_abort(b, call.rid)
-            b.admission.release()
+            b.admission.release(call.tenant, call.max_tokens)
 
     def _send_abort(self, b: Backend, rid: int) -> None:
         try:
@@ -312,16 +328,22 @@ class Ingress:
                 self._send_abort(self.backend, call.rid)
 
     # -- checks ----------------------------------------------------------------------------------
-    def _auth(self, request: web.Request) -> None:
-        key = self.cfg.api_key
-        if not key:
-            return
+    def _auth(self, request: web.Request) -> TenantConfig:
+        """The tenant whose key the request carries (constant time over all keys)."""
+        tenants = self.cfg.tenant_list
+        if len(tenants) == 1 and not tenants[0].api_key:
+            return tenants[0]
         # aiohttp keeps undecodable header bytes as surrogates: encode them back, never raise
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         given = token.strip().encode("utf-8", "surrogateescape")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(given, key.encode())):
+        found = None
+        for t in tenants:  # no early exit: timing says nothing about which key is close
+            if hmac.compare_digest(given, t.api_key.encode()) and scheme.lower() == "bearer":
+                found = t
+        if found is None:
             raise ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer "
                            "<key>')", code="invalid_api_key")
+        return found
 
     @staticmethod
     async def _body(request: web.Request) -> bytes:

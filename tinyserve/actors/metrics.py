@@ -13,7 +13,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from tinyserve.messages import RequestFailed, RequestFinished, StepStats
+from tinyserve.messages import AdmissionRejected, RequestFailed, RequestFinished, StepStats
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,10 @@ class Metrics:
                                ["finished_reason"], registry=r)
         self.errors = Counter(P + "request_errors", "Requests answered with an error",
                               ["code"], registry=r)
+        self.rejections = Counter(P + "admission_rejections",
+                                  "Requests turned away by admission (429/400), by tenant and "
+                                  "reason: concurrency, tokens (per-minute bucket), capacity",
+                                  ["tenant", "reason"], registry=r)
         self.dropped = Counter(P + "metrics_events_dropped", "Metric events dropped (full inbox)",
                                registry=r)
         self._totals = {"preemptions": 0, "prompt_tokens_computed": 0, "prefix_queries": 0,
@@ -87,7 +91,8 @@ class Metrics:
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
         self.cache_info.info({"block_size": str(block_size), "num_blocks": str(num_blocks)})
 
-    def emit(self, event: StepStats | RequestFinished | RequestFailed) -> None:
+    def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected
+             ) -> None:
         try:
             self.inbox.put_nowait(event)
         except asyncio.QueueFull:
@@ -135,6 +140,8 @@ class Metrics:
                         self.itl.observe(gap)
                 case RequestFailed():
                     self.errors.labels(code=ev.code).inc()
+                case AdmissionRejected():
+                    self.rejections.labels(tenant=ev.tenant, reason=ev.reason).inc()
                 case _:
                     log.warning("metrics: unknown event %r", ev)
         except Exception:  # a bad event is logged; the actor keeps running

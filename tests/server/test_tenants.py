@@ -1,0 +1,138 @@
+"""Tenants: keys, concurrency limits, token buckets and prefix-cache isolation, on the
+in-process server (fake model, real admission, scheduler and KV cache)."""
+
+import asyncio
+import math
+import threading
+
+import aiohttp
+import pytest
+
+from tests.server.helpers import MODEL, post
+from tests.server.inprocess import FakeRunner, InProcessServer
+from tinyserve.actors.quotas import TenantQuotas, TokenBucket
+from tinyserve.config import TenantConfig, load_tenants
+
+A, B, C = ("key-of-acme", "key-of-bobco", "key-of-acme-labs")
+TENANTS = (
+    TenantConfig("acme", A, max_concurrent=2),
+    TenantConfig("bobco", B, tokens_per_minute=100),
+    TenantConfig("acme-labs", C, cache_group="acme"),  # shares acme's prefix cache
+)
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def body(prompt, max_tokens=4):
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+@pytest.fixture
+def srv():
+    server = InProcessServer(FakeRunner(), tenants=TENANTS)
+    yield server
+    server.stop()
+
+
+def test_the_tenants_file_is_validated_naming_the_field(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants.acme]\napi_key = "k1"\npriority = 10\nmax_concurrent = 32\n'
+                    'tokens_per_minute = 200000\ndegradable = true\ncache_group = "acme"\n'
+                    '[tenants.bob]\napi_key = "k2"\n')
+    acme, bob = load_tenants(str(path))
+    assert (acme.priority, acme.max_concurrent, acme.cache_salt) == (10, 32, b"acme")
+    assert bob.cache_salt == b"bob" and bob.max_concurrent is None
+    for text, needle in [('[tenants.a]\napi_key = "k"\nmax_concurent = 3\n', "unknown keys"),
+                         ('[tenants.a]\npriority = 1\n', "api_key is required"),
+                         ('[tenants.a]\napi_key = "k"\n[tenants.b]\napi_key = "k"\n', "share"),
+                         ('[tenants.a]\napi_key = "k"\nmax_concurrent = 0\n', "max_concurrent"),
+                         ('x = 1\n', "[tenants.NAME]")]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=needle):
+            load_tenants(str(path))
+
+
+def test_each_key_is_its_tenant_and_others_get_401(srv):
+    async def main():
+        for key in (A, B, C):
+            status, got, _ = await post(srv.url, "/v1/completions", body("Once"), auth(key))
+            assert status == 200, got
+        status, got, _ = await post(srv.url, "/v1/completions", body("Once"), auth("nope"))
+        assert status == 401 and got["error"]["code"] == "invalid_api_key"
+    asyncio.run(main())
+
+
+def test_a_tenant_at_its_concurrency_limit_gets_429_and_others_do_not(srv):
+    srv.runner.hang = hold = threading.Event()  # steps wait: requests stay in flight
+
+    async def main():
+        first = [asyncio.ensure_future(post(srv.url, "/v1/completions", body([1, 5 + i]),
+                                            auth(A))) for i in range(2)]
+        await asyncio.sleep(0.3)
+        status, got, headers = await post(srv.url, "/v1/completions", body([1, 9]), auth(A))
+        assert status == 429 and "limit" in got["error"]["message"]
+        assert int(headers["Retry-After"]) >= 1
+        other = asyncio.ensure_future(post(srv.url, "/v1/completions", body([1, 9]), auth(C)))
+        await asyncio.sleep(0.3)
+        assert not other.done()  # admitted (waiting for the held step), not refused
+        hold.set()
+        assert [r[0] for r in await asyncio.gather(*first, other)] == [200, 200, 200]
+        status, _, _ = await post(srv.url, "/v1/completions", body([1, 9]), auth(A))
+        assert status == 200  # its slots came back when its requests ended
+        async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
+            text = await r.text()
+        assert ('tinyserve:admission_rejections_total{reason="concurrency",tenant="acme"} 1.0'
+                in text)
+    asyncio.run(main())
+
+
+def test_a_tenant_over_its_tokens_per_minute_waits_what_its_bucket_says(srv):
+    async def main():
+        status, _, _ = await post(srv.url, "/v1/completions", body([1, 2, 3], 57), auth(B))
+        assert status == 200  # 60 of bobco's 100 tokens a minute
+        status, got, headers = await post(srv.url, "/v1/completions", body([1, 2, 3], 57),
+                                          auth(B))
+        assert status == 429 and "tokens per minute" in got["error"]["message"]
+        # 40 left, 60 needed: 20 tokens at 100/minute is 12 s
+        assert 11 <= int(headers["Retry-After"]) <= 12
+        status, got, _ = await post(srv.url, "/v1/completions", body([1, 2, 3], 120), auth(B))
+        assert status == 400 and got["error"]["param"] == "max_tokens"  # can never fit
+        status, _, _ = await post(srv.url, "/v1/completions", body([1, 2, 3], 57), auth(A))
+        assert status == 200  # acme has no bucket
+    asyncio.run(main())
+
+
+def test_prefix_cache_is_shared_within_a_cache_group_only(srv):
+    prompt = [1] + list(range(300, 339))  # 40 tokens: two full 16-token blocks to share
+
+    async def cached(key):
+        status, got, _ = await post(srv.url, "/v1/completions", body(prompt, 1), auth(key))
+        assert status == 200, got
+        return (got["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    async def main():
+        assert await cached(A) == 0
+        assert await cached(A) == 32  # its own second request hits
+        assert await cached(B) == 0  # another tenant neither hits nor can time A's prompt
+        assert await cached(C) == 32  # acme-labs shares acme's cache group
+        assert await cached(B) == 32  # and B now hits its own
+    asyncio.run(main())
+
+
+def test_token_bucket_refills_and_refunds_unused_tokens():
+    now = [0.0]
+    quotas = TenantQuotas((TenantConfig("t", "k", tokens_per_minute=600),), clock=lambda: now[0])
+    assert quotas.refuse("t", 500) is None
+    quotas.admit("t", 500)
+    reason, failed = quotas.refuse("t", 500)
+    assert reason == "tokens" and failed.retry_after == pytest.approx(40.0)  # 400 at 10/s
+    quotas.release("t", unused_tokens=450)  # it generated 50 of its 500
+    assert quotas.refuse("t", 500) is None and quotas.in_flight("t") == 0
+    now[0] = 1000.0
+    bucket = TokenBucket(60, clock=lambda: now[0])
+    bucket.take(60)
+    assert bucket.wait_for(30) == pytest.approx(30.0)
+    now[0] += 30
+    assert bucket.wait_for(30) == 0.0 and bucket.wait_for(61) == math.inf
