@@ -241,3 +241,54 @@ def test_max_num_seqs_caps_the_running_set():
     run(sched, ex, create_requests(5, num_tokens=4, max_tokens=3),
         on_step=lambda plan: seen.append(len(plan.seqs)))
     assert max(seen) == 2
+
+
+def _with_priority(seqs, priority):
+    for s in seqs:
+        s.priority = priority
+    return seqs
+
+
+def test_waiting_queue_runs_higher_priority_first():
+    sched, ex = make_scheduler(max_num_seqs=2)
+    low = _with_priority(create_requests(3, num_tokens=6, max_tokens=3), 0)
+    high = _with_priority(create_requests(2, num_tokens=6, max_tokens=3, start_id=10), 5)
+    first = []
+    run(sched, ex, low + high,
+        on_step=lambda plan: first.append(tuple(s.seq_id for s in plan.seqs)) if not first else None)
+    assert set(first[0]) == {10, 11}  # added last, scheduled first
+
+
+def test_kv_pressure_preempts_the_lowest_priority_and_everything_still_finishes_unchanged():
+    reference = run(*make_scheduler(num_blocks=64, block_size=4),
+                    create_requests(6, num_tokens=12, max_tokens=10))
+    sched, ex = make_scheduler(num_blocks=16, block_size=4, max_model_len=32)
+    seqs = create_requests(6, num_tokens=12, max_tokens=10)
+    for s in seqs:
+        s.priority = 1 if s.seq_id in (0, 1) else 0
+    preempted = set()
+    real = sched._preempt
+
+    def spy(seq):
+        preempted.add(seq.seq_id)
+        real(seq)
+
+    sched._preempt = spy
+    assert run(sched, ex, seqs) == reference
+    assert preempted and not preempted & {0, 1}  # the high-priority pair was never a victim
+    assert sched.kv.pool.usage == 0.0
+
+
+def test_a_higher_priority_arrival_displaces_a_running_lower_one_at_max_num_seqs():
+    sched, ex = make_scheduler(max_num_seqs=2)
+    low = create_requests(2, num_tokens=5, max_tokens=20)
+    for s in low:
+        sched.add(s)
+        ex.tokens_by_seq[s.seq_id] = s.token_ids
+    sched.update(plan := sched.schedule(), ex.execute(plan))
+    assert sched.num_running == 2
+    [high] = _with_priority(create_requests(1, num_tokens=5, max_tokens=3, start_id=7), 9)
+    out = run(sched, ex, [high], on_step=lambda plan: None)
+    assert out[7][1] == "length"
+    assert low[1].num_preemptions == 1 and low[0].num_preemptions == 0  # the newest low one
+    assert all(s.finish_reason == "length" for s in low)  # and it still finished

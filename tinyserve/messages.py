@@ -129,6 +129,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     reply_to: Any  # asyncio.Queue of Accepted | Failed | Output, owned by the request
     cache_salt: bytes = b""  # the tenant's cache group: prefix-cache sharing scope
     tenant: str = "default"
+    priority: int = 0  # the tenant's
     internal: bool = False  # the server's own warm-up: kept out of request metrics and quotas
 
 

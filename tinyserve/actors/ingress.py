@@ -212,7 +212,7 @@ class Ingress:
                      params.max_tokens)
         self._live[call.rid] = call
         try:
-            await self._submit(b, call, prompt_ids, params, tenant.cache_salt)
+            await self._submit(b, call, prompt_ids, params, tenant)
             if req.stream:
                 return await self._stream(request, call, shaper)
             outs = []
@@ -232,9 +232,9 @@ class Ingress:
                 b.admission.release(call.tenant, call.max_tokens - call.generated)
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
-                      params: SamplingParams, cache_salt: bytes) -> None:
+                      params: SamplingParams, tenant: TenantConfig) -> None:
         msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies,
-                     cache_salt, call.tenant)
+                     tenant.cache_salt, tenant.name, tenant.priority)
         try:
             b.admission.inbox.put_nowait(msg)
         except asyncio.QueueFull:  # capacity requests are already ahead of this one

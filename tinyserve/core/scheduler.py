@@ -2,13 +2,18 @@
 
 One token budget, no prefill/decode modes. Each step:
 
-1. running sequences, oldest first, each get what they still need (1 token for a decode, the
-   rest of the prompt, or a budget-capped chunk of it). When the pool is dry the newest
-   running sequence is preempted: its blocks are released and it goes back to the front of
-   the waiting queue to be recomputed later (its output so far is kept; its full blocks stay
-   in the prefix cache, so the recompute is often mostly cache hits).
-2. if nothing was preempted, waiting sequences, FIFO, while budget, max_num_seqs and blocks
-   allow; each first takes its cached prefix.
+0. when max_num_seqs are running and the head of the queue has a higher priority than the
+   lowest running one, that one (the newest of the lowest priority) is preempted for it.
+1. running sequences, highest priority first, then oldest, each get what they still need (1
+   token for a decode, the rest of the prompt, or a budget-capped chunk of it). When the pool
+   is dry the last of them (lowest priority, newest) is preempted: its blocks are released
+   and it goes back to the waiting queue in its old place, to be recomputed later (its output
+   so far is kept; its full blocks stay in the prefix cache, so the recompute is often mostly
+   cache hits).
+2. if nothing was preempted, waiting sequences in the same order (priority, then arrival)
+   while budget, max_num_seqs and blocks allow; each first takes its cached prefix.
+
+Both lists stay sorted by ``_order``: (-priority, seq_id), and seq ids grow with arrival.
 
 A sequence that fits max_model_len always fits an empty pool (the config checks
 num_blocks * block_size >= max_model_len), so preemption always ends and nothing is lost.
@@ -16,8 +21,8 @@ num_blocks * block_size >= max_model_len), so preemption always ends and nothing
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections import deque
 from dataclasses import dataclass
 
 from tinyserve.core.kv_manager import KVCacheManager
@@ -40,6 +45,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def _order(seq: Sequence) -> tuple[int, int]:
+    return -seq.priority, seq.seq_id
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
         if kv.pool.num_blocks * kv.block_size < cfg.max_model_len:
@@ -48,7 +57,7 @@ class Scheduler:
                              "never run. Add KV blocks or lower max_model_len.")
         self.cfg = cfg
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # both sorted by _order
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self._step_id = 0
@@ -65,7 +74,7 @@ class Scheduler:
             raise ValueError(f"prompt: {seq.num_tokens} tokens leave no room to generate within "
                              f"max_model_len {self.cfg.max_model_len}")
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_order)
 
     def abort(self, seq_id: int) -> Sequence | None:
         seq = self.seqs.get(seq_id)
@@ -102,13 +111,16 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted = False
+        while (self.waiting and len(self.running) >= self.cfg.max_num_seqs
+               and self.waiting[0].priority > self.running[-1].priority):
+            self._preempt(self.running.pop())  # make room for a higher priority
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, n):
-                victim = self.running.pop()  # the newest
+                victim = self.running.pop()  # the lowest priority, newest
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -127,11 +139,11 @@ class Scheduler:
             if not self.kv.allocate(seq, n):
                 self.kv.free(seq)  # give back the prefix references until blocks free up
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             if seq.num_preemptions == 0:
                 self.kv.record_admission(seq)
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=_order)
             chosen.append((seq, n))
             budget -= n
 
@@ -153,7 +165,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_order)
         log.debug("preempted seq %d (%d tokens)", seq.seq_id, seq.num_tokens)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
