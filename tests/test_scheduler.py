@@ -292,3 +292,49 @@ def test_a_higher_priority_arrival_displaces_a_running_lower_one_at_max_num_seqs
     assert out[7][1] == "length"
     assert low[1].num_preemptions == 1 and low[0].num_preemptions == 0  # the newest low one
     assert all(s.finish_reason == "length" for s in low)  # and it still finished
+
+
+def _first_steps(sched, ex, seqs):
+    """-> seq id -> the step in which it was first scheduled."""
+    first, step = {}, [0]
+
+    def on_step(plan):
+        step[0] += 1
+        for s in plan.seqs:
+            first.setdefault(s.seq_id, step[0])
+
+    return run(sched, ex, seqs, on_step=on_step), first
+
+
+def test_a_flooding_tenant_does_not_starve_another_of_the_same_priority():
+    flood = create_requests(20, num_tokens=6, max_tokens=6)
+    quiet = create_requests(2, num_tokens=6, max_tokens=6, start_id=100)
+    for s in flood:
+        s.tenant = "flood"
+    for s in quiet:
+        s.tenant = "quiet"
+    out, first = _first_steps(*make_scheduler(max_num_seqs=2), flood + quiet)
+    # FIFO would start quiet's after all 20 flood requests (~60 steps); by served tokens it
+    # gets the next free slot, and its second request the one after.
+    assert first[100] <= 8 and first[101] <= 16, first
+    assert all(reason == "length" for _, reason in out.values())
+
+
+def test_an_idle_tenant_gets_no_credit_for_its_idle_time():
+    sched, ex = make_scheduler(max_num_seqs=1)
+    [early] = create_requests(1, num_tokens=6, max_tokens=4)
+    early.tenant = "a"
+    run(sched, ex, [early])  # tenant a was served, then went idle
+    a_before = sched.served["a"]
+    b = create_requests(2, num_tokens=30, max_tokens=8, start_id=10)
+    for s in b:
+        s.tenant = "b"
+        sched.add(s)
+        ex.tokens_by_seq[s.seq_id] = s.token_ids
+    while sched.served["b"] <= a_before + 20:  # b is served well past a's old count
+        sched.update(plan := sched.schedule(), ex.execute(plan))
+    [late] = create_requests(1, num_tokens=6, max_tokens=4, start_id=20)
+    late.tenant = "a"
+    sched.add(late)
+    # a rejoins at b's count: its old, smaller one would let it jump ahead by 20+ tokens
+    assert sched.served["a"] == sched.served["b"] > a_before

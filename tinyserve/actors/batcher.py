@@ -132,7 +132,7 @@ class Batcher:
     def _on_submit(self, msg: Submit) -> None:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                  msg.cache_salt, msg.priority, reply_to=msg.reply_to,
+                                  msg.cache_salt, msg.priority, msg.tenant, reply_to=msg.reply_to,
                                   arrival_time=msg.arrival_time, internal=msg.internal)
         except ValueError as e:  # messages start with the field's name
             field = str(e).split(" ", 1)[0].rstrip(":")

@@ -74,14 +74,14 @@ class EngineCore:
 
     def add_request(self, request_id: int, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams, cache_salt: bytes = b"", priority: int = 0,
-                    **serving) -> Request:
+                    tenant: str = "", **serving) -> Request:
         """Queue a request; ``serving`` fills the Request's reply queue and timing fields."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.check(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, cache_salt=cache_salt,
-                       priority=priority)
+                       priority=priority, tenant=tenant)
         self.scheduler.add(seq)
         req = Request(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                   params.stop, params.skip_special_tokens),

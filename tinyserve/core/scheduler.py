@@ -11,7 +11,11 @@ One token budget, no prefill/decode modes. Each step:
    so far is kept; its full blocks stay in the prefix cache, so the recompute is often mostly
    cache hits).
 2. if nothing was preempted, waiting sequences in the same order (priority, then arrival)
-   while budget, max_num_seqs and blocks allow; each first takes its cached prefix.
+   while budget, max_num_seqs and blocks allow; each first takes its cached prefix. Within the
+   highest waiting priority, tenants take turns by served tokens (a virtual token counter, as
+   in VTC, Sheng et al. 2024): the next sequence is the oldest of the tenant served least, so
+   a tenant flooding the queue cannot starve another of the same priority. A tenant that was
+   idle starts from the least-served active tenant's count (no credit for idle time).
 
 Both lists stay sorted by ``_order``: (-priority, seq_id), and seq ids grow with arrival.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 from tinyserve.core.kv_manager import KVCacheManager
@@ -63,6 +68,8 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cache hits)
+        self.served: dict[str, int] = {}  # tenant -> tokens scheduled for it (virtual counter)
+        self._active: Counter[str] = Counter()  # tenant -> its unfinished sequences
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -75,6 +82,10 @@ class Scheduler:
                              f"max_model_len {self.cfg.max_model_len}")
         self.seqs[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=_order)
+        if not self._active[seq.tenant]:  # (re)joining: no credit for the time it was idle
+            floor = min((self.served[t] for t, n in self._active.items() if n), default=0)
+            self.served[seq.tenant] = max(self.served.get(seq.tenant, 0), floor)
+        self._active[seq.tenant] += 1
 
     def abort(self, seq_id: int) -> Sequence | None:
         seq = self.seqs.get(seq_id)
@@ -93,6 +104,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
+        self._active[seq.tenant] -= 1
 
     @property
     def has_unfinished(self) -> bool:
@@ -132,14 +144,14 @@ class Scheduler:
 
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if not seq.block_ids:
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate(seq, n):
                 self.kv.free(seq)  # give back the prefix references until blocks free up
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             if seq.num_preemptions == 0:
                 self.kv.record_admission(seq)
             seq.status = SeqStatus.RUNNING
@@ -152,8 +164,22 @@ class Scheduler:
         self._step_id += 1
         return StepPlan(step_id=self._step_id, seqs=tuple(self._plan_entry(s, n) for s, n in chosen))
 
+    def _next_waiting(self) -> Sequence:
+        """The oldest waiting sequence of the least-served tenant at the top priority.
+
+        O(waiting) when several tenants wait; the queue is bounded by max_waiting."""
+        head = self.waiting[0]
+        best = head
+        for seq in self.waiting:  # sorted: each tenant's oldest comes before its newer ones
+            if seq.priority != head.priority:
+                break
+            if self.served[seq.tenant] < self.served[best.tenant]:
+                best = seq
+        return best
+
     def _plan_entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        self.served[seq.tenant] += n
         self.num_prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
         return ScheduledSeq(
             seq_id=seq.seq_id, token_ids=tuple(seq.token_ids[start:start + n]), start_pos=start,

@@ -34,6 +34,7 @@ class Sequence:
     seed: int
     cache_salt: bytes = b""
     priority: int = 0  # the tenant's: higher is scheduled first and preempted last
+    tenant: str = ""  # whose: fair shares within a priority are kept per tenant
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
