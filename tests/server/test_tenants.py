@@ -136,3 +136,16 @@ def test_token_bucket_refills_and_refunds_unused_tokens():
     assert bucket.wait_for(30) == pytest.approx(30.0)
     now[0] += 30
     assert bucket.wait_for(30) == 0.0 and bucket.wait_for(61) == math.inf
+
+
+def test_a_quiet_tenant_keeps_its_ttft_next_to_a_flooder():
+    """Acceptance (issue 7): same priority, one tenant at 10x the other's rate. The flooder
+    gets 429s, nothing is lost, and the quiet tenant is never starved: its p95 TTFT stays
+    within 1.5x of its unloaded value (plus one step of slack for timing noise on 2 cores)."""
+    from loadtest.bench_tenants import run
+
+    r = run(seconds=5, rate=3.0, step_ms=100)
+    assert r["flood_429"] > 0 and r["flood_200"] > 0
+    assert r["lost"] == 0 and r["quiet_not_200"] == 0
+    assert not any(r["idle_after"].values())
+    assert r["quiet_loaded_ttft_p95"] <= 1.5 * r["quiet_alone_ttft_p95"] + 0.1, r
