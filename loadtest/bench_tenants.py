@@ -29,7 +29,7 @@ from tinyserve.config import TenantConfig  # noqa: E402
 QUIET, FLOOD = "quiet-key-1", "flood-key-1"
 
 
-async def _one(s: aiohttp.ClientSession, url: str, key: str, i: int, max_tokens: int
+async def stream_one(s: aiohttp.ClientSession, url: str, key: str, i: int, max_tokens: int
                ) -> tuple[int, float | None, int]:
     """-> (status, TTFT seconds, completion tokens) of one streamed completion."""
     body = {"model": "stories260k", "prompt": [1, 3 + i % 300], "max_tokens": max_tokens,
@@ -60,7 +60,7 @@ async def _tenant(url: str, key: str, rate: float, seconds: float, max_tokens: i
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(120)) as s:
         jobs, t_end, i = [], time.perf_counter() + seconds, 0
         while time.perf_counter() < t_end:
-            jobs.append(asyncio.ensure_future(_one(s, url, key, i, max_tokens)))
+            jobs.append(asyncio.ensure_future(stream_one(s, url, key, i, max_tokens)))
             i += 1
             await asyncio.sleep(rng.expovariate(rate))
         return await asyncio.gather(*jobs)

@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TOML file with one [tenants.NAME] table per tenant: api_key, priority, "
                         "max_concurrent, tokens_per_minute, degradable, cache_group, admin "
                         "(replaces --api-key)")
+    s.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="P95 time-to-first-token target: the server then adapts how many "
+                        "requests it holds, and degrades (sheds low priority) to keep it")
+    s.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="P95 inter-token latency target (same control)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish; the rest get 503")
     s.add_argument("--step-timeout", type=float, default=60.0,
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching)
         tenants = load_tenants(args.tenants) if args.tenants else ()
         server_cfg = ServerConfig(
-            tenants=tenants, host=args.host, port=args.port, served_model_name=args.served_model_name,
+            tenants=tenants, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
+            host=args.host, port=args.port, served_model_name=args.served_model_name,
             api_key=args.api_key, max_waiting=args.max_waiting,
             batch_timeout_ms=args.batch_timeout_ms, drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,

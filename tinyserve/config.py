@@ -142,6 +142,8 @@ class ServerConfig:
     max_failed_steps: int = 3  # this many failed steps in a row: unhealthy
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 before they are parsed
     tenants: tuple[TenantConfig, ...] = ()  # from --tenants; empty: one default tenant
+    slo_ttft_ms: float | None = None  # P95 time-to-first-token target: enables SLO control
+    slo_itl_ms: float | None = None  # P95 inter-token latency target
     log_level: str = "info"
 
     @property
@@ -164,6 +166,10 @@ class ServerConfig:
             raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.tenants and self.api_key:
             raise ValueError("api_key and tenants are exclusive: put keys in the tenants file")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -196,10 +196,14 @@ class StepStats(msgspec.Struct, frozen=True, tag=True):
     prompt_tokens_computed: int
     prefix_queries: int
     prefix_hits: int
+    slo_limit: int = 0  # requests the SLO controller lets the server hold (0: no control)
+    degradation_level: int = 0
 
 
 class RequestFinished(msgspec.Struct, frozen=True, tag=True):
     finish_reason: str
+    tenant: str
+    within_slo: bool | None  # None: no SLO set
     prompt_tokens: int
     generation_tokens: int
     queue_seconds: float | None
@@ -210,7 +214,7 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True):
 
 class AdmissionRejected(msgspec.Struct, frozen=True, tag=True):
     tenant: str
-    reason: str  # "concurrency" | "tokens" | "capacity"
+    reason: str  # "concurrency" | "tokens" | "capacity" | "degraded"
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):

@@ -26,6 +26,7 @@ from tinyserve.actors.ingress import Backend, Ingress
 from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
 from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.core.slo import SloController
 from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
 from tinyserve.prompts import PromptParser
 
@@ -75,14 +76,16 @@ class Server:
         self.metrics = Metrics(info.max_model_len, self.engine_cfg.max_num_batched_tokens)
         self.metrics.set_cache_config(info.block_size, info.num_kv_blocks)
         self.executor = Executor(engine.runner.execute)
+        slo = SloController(_seconds(self.cfg.slo_ttft_ms), _seconds(self.cfg.slo_itl_ms),
+                            capacity)
         self.batcher = batcher = Batcher(core, self.executor.inbox, self.metrics, capacity,
-                                         self.cfg.batch_timeout_ms)
+                                         self.cfg.batch_timeout_ms, slo)
         self.executor.outbox = batcher.inbox
         self.supervisor = Supervisor(self.executor, self._on_fatal, self.cfg.step_timeout_s,
                                      self.cfg.max_failed_steps)
         self.admission = Admission(
             batcher.inbox, lambda: self.ingress.aborts_sent - batcher.aborts_received, capacity,
-            lambda: self.supervisor.failure, self.cfg.tenant_list, self.metrics.emit)
+            lambda: self.supervisor.failure, self.cfg.tenant_list, self.metrics.emit, slo)
         self.supervisor.watch(self.executor.start())
         for name, coro in (("metrics", self.metrics.run()), ("batcher", batcher.run()),
                            ("admission", self.admission.run()),
@@ -156,6 +159,10 @@ class Server:
             await self.supervisor.stop()
         if self.executor is not None:
             await self.executor.stop()
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
 
 
 async def serve(cfg: ServerConfig, engine_cfg: EngineConfig) -> int:

@@ -19,13 +19,17 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import msgspec
+
 from tinyserve.actors.quotas import TenantQuotas
 from tinyserve.config import TenantConfig
+from tinyserve.core.slo import SloController
 from tinyserve.messages import Accepted, AdmissionRejected, Failed, Submit
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1.0
+DEGRADED_MAX_TOKENS = 128  # level 2: degradable tenants' completions are capped at this
 
 
 def too_many(capacity: int) -> Failed:
@@ -37,9 +41,14 @@ class Admission:
     def __init__(self, batcher_inbox: asyncio.Queue, pending_aborts: Callable[[], int],
                  capacity: int, unhealthy: Callable[[], str | None] = lambda: None,
                  tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),),
-                 emit: Callable[[AdmissionRejected], None] = lambda event: None) -> None:
+                 emit: Callable[[AdmissionRejected], None] = lambda event: None,
+                 slo: SloController | None = None) -> None:
         self._batcher_inbox = batcher_inbox
         self.quotas = TenantQuotas(tenants)
+        self._tenants = {t.name: t for t in tenants}
+        self._lowest = min(t.priority for t in tenants)
+        self._highest = max(t.priority for t in tenants)
+        self.slo = slo or SloController(None, None, capacity)  # read only: the batcher's
         self._emit = emit
         self._pending_aborts = pending_aborts  # Aborts sent but not yet taken by the batcher
         self._unhealthy = unhealthy  # the supervisor's verdict: None, or why not
@@ -84,10 +93,15 @@ class Admission:
                    "the server is shutting down" if self.draining else "the model is not ready")
             msg.reply_to.put_nowait(Failed(503, why, retry_after=5.0))
             return
+        refusal = None
+        if not msg.internal:
+            msg, refusal = self._degrade(msg)
         cost = len(msg.prompt_token_ids) + msg.params.max_tokens
-        refusal = None if msg.internal else self.quotas.refuse(msg.tenant, cost)
-        if refusal is None and self.in_system() >= self.capacity:
-            refusal = "capacity", too_many(self.capacity)
+        if refusal is None and not msg.internal:
+            refusal = self.quotas.refuse(msg.tenant, cost)
+        limit = min(self.capacity, self.slo.limit)
+        if refusal is None and self.in_system() >= limit:
+            refusal = "capacity", too_many(limit)
         if refusal is not None:
             reason, failed = refusal
             self._emit(AdmissionRejected(msg.tenant, reason))
@@ -98,3 +112,20 @@ class Admission:
         if not msg.internal:
             self.quotas.admit(msg.tenant, cost)
         msg.reply_to.put_nowait(Accepted())
+
+    def _degrade(self, msg: Submit) -> tuple[Submit, tuple[str, Failed] | None]:
+        """The degradation ladder (see core/slo.py): shed by priority, cap degradable tenants."""
+        level = self.slo.level
+        if not level:
+            return msg, None
+        tenant = self._tenants[msg.tenant]
+        shed = (level >= 3 and tenant.priority < self._highest) or (
+            tenant.priority == self._lowest < self._highest)
+        if shed:
+            return msg, ("degraded", Failed(
+                503, f"the server is degraded ({self.slo.reason}): priority {tenant.priority} "
+                "requests are shed for now", retry_after=5.0))
+        if level >= 2 and tenant.degradable and msg.params.max_tokens > DEGRADED_MAX_TOKENS:
+            params = msgspec.structs.replace(msg.params, max_tokens=DEGRADED_MAX_TOKENS)
+            msg = msgspec.structs.replace(msg, params=params)
+        return msg, None

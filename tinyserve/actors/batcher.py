@@ -25,6 +25,7 @@ import time
 from tinyserve.actors.metrics import Metrics
 from tinyserve.core.engine import EngineCore
 from tinyserve.core.request import Request
+from tinyserve.core.slo import SloController
 from tinyserve.messages import (
     Abort,
     AbortAll,
@@ -53,8 +54,11 @@ def reply(req: Request, msg: Output | Failed) -> None:
 
 class Batcher:
     def __init__(self, core: EngineCore, executor_inbox: asyncio.Queue, metrics: Metrics,
-                 capacity: int, batch_timeout_ms: float = 0.0) -> None:
+                 capacity: int, batch_timeout_ms: float = 0.0,
+                 slo: SloController | None = None) -> None:
         self.core = core
+        # Fed every first token and inter-token gap; admission reads its limit and level.
+        self.slo = slo or SloController(None, None, capacity)
         self._executor_inbox = executor_inbox
         self._metrics = metrics
         self._batch_timeout = batch_timeout_ms / 1000.0
@@ -159,10 +163,18 @@ class Batcher:
                 reply(req, Failed(500, "the engine failed while running this request"))
                 self._end(req, None)
                 continue
-            req.token_times.append(now)
+            times = req.token_times
+            if not req.internal:
+                if times:
+                    self.slo.observe(itls=(now - times[-1],))
+                else:
+                    self.slo.observe(ttft=now - req.arrival_time)
+            times.append(now)
             self._send(req)
             if req.seq.is_finished:
                 self._end(req, req.seq.finish_reason)
+        if self.slo.tick() is not None:
+            self.core.scheduler.max_running = min(self.core.cfg.max_num_seqs, self.slo.limit)
         self._emit_stats(plan.num_tokens)
 
     # -- outputs -----------------------------------------------------------------------------
@@ -193,13 +205,16 @@ class Batcher:
         if req.internal or reason is None:
             return
         seq, arrival, times = req.seq, req.arrival_time, req.token_times
+        ttft = times[0] - arrival if times else None
+        itls = tuple(b - a for a, b in zip(times, times[1:]))
         self._metrics.emit(RequestFinished(
-            finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
+            finish_reason=reason, tenant=seq.tenant,
+            within_slo=self.slo.met(ttft, itls) if self.slo.enabled else None,
+            prompt_tokens=seq.num_prompt_tokens,
             generation_tokens=seq.num_output_tokens,
             queue_seconds=None if req.first_scheduled is None else req.first_scheduled - arrival,
-            ttft_seconds=times[0] - arrival if times else None,
-            e2e_seconds=(times[-1] if times else time.monotonic()) - arrival,
-            itl_seconds=tuple(b - a for a, b in zip(times, times[1:]))))
+            ttft_seconds=ttft, e2e_seconds=(times[-1] if times else time.monotonic()) - arrival,
+            itl_seconds=itls))
 
     def _emit_stats(self, num_tokens: int) -> None:
         sched, kv = self.core.scheduler, self.core.kv
@@ -207,4 +222,6 @@ class Batcher:
             num_tokens=num_tokens, num_running=sched.num_running, num_waiting=sched.num_waiting,
             kv_usage=kv.usage, preemptions=sched.num_preemptions,
             prompt_tokens_computed=sched.num_prompt_tokens_computed,
-            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits))
+            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            slo_limit=self.slo.limit if self.slo.enabled else 0,
+            degradation_level=self.slo.level))

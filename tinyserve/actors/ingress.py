@@ -177,7 +177,10 @@ class Ingress:
             return _json({"status": "unhealthy", "reason": b.supervisor.failure}, 503)
         if b.admission.draining:
             return _json({"status": "draining"}, 503)
-        return _json({"status": "ready"})
+        slo = b.admission.slo
+        if slo.level:  # still serving: ready, but say how
+            return _json({"status": "degraded", "level": slo.level, "reason": slo.reason})
+        return _json({"status": "ready", "level": 0, "reason": ""})
 
     async def metrics(self, request: web.Request) -> web.Response:
         b = self._backend()

@@ -79,6 +79,13 @@ class Metrics:
                                ["finished_reason"], registry=r)
         self.errors = Counter(P + "request_errors", "Requests answered with an error",
                               ["code"], registry=r)
+        self.degradation = Gauge(P + "degradation_level",
+                                 "0 normal; 1 shedding the lowest priority; 2 and capping "
+                                 "degradable tenants; 3 only the highest priority", registry=r)
+        self.slo_limit = Gauge(P + "slo_limit", "Requests the SLO controller lets the server "
+                               "hold (running + waiting); 0 without --slo-*", registry=r)
+        self.goodput = Counter(P + "request_goodput", "Requests finished within the SLO "
+                               "(TTFT and mean ITL under their targets)", ["tenant"], registry=r)
         self.rejections = Counter(P + "admission_rejections",
                                   "Requests turned away by admission (429/400), by tenant and "
                                   "reason: concurrency, tokens (per-minute bucket), capacity",
@@ -120,6 +127,8 @@ class Metrics:
                     self.running.set(ev.num_running)
                     self.waiting.set(ev.num_waiting)
                     self.kv_usage.set(ev.kv_usage)
+                    self.slo_limit.set(ev.slo_limit)
+                    self.degradation.set(ev.degradation_level)
                     self._advance(self.preemptions, "preemptions", ev.preemptions)
                     self._advance(self.prompt_computed, "prompt_tokens_computed",
                                   ev.prompt_tokens_computed)
@@ -127,6 +136,8 @@ class Metrics:
                     self._advance(self.prefix_hits, "prefix_hits", ev.prefix_hits)
                 case RequestFinished():
                     self.success.labels(finished_reason=ev.finish_reason).inc()
+                    if ev.within_slo:
+                        self.goodput.labels(tenant=ev.tenant).inc()
                     self.prompt_tokens.inc(ev.prompt_tokens)
                     self.gen_tokens.inc(ev.generation_tokens)
                     self.prompt_hist.observe(ev.prompt_tokens)

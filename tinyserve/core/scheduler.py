@@ -68,6 +68,7 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cache hits)
+        self.max_running = cfg.max_num_seqs  # the SLO controller may lower it
         self.served: dict[str, int] = {}  # tenant -> tokens scheduled for it (virtual counter)
         self._active: Counter[str] = Counter()  # tenant -> its unfinished sequences
 
@@ -123,7 +124,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted = False
-        while (self.waiting and len(self.running) >= self.cfg.max_num_seqs
+        while (self.waiting and len(self.running) >= self.max_running
                and self.waiting[0].priority > self.running[-1].priority):
             self._preempt(self.running.pop())  # make room for a higher priority
 
@@ -143,7 +144,7 @@ class Scheduler:
                 i += 1
 
         while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.cfg.max_num_seqs):
+               and len(self.running) < self.max_running):
             seq = self._next_waiting()
             if not seq.block_ids:
                 self.kv.match_prefix(seq)

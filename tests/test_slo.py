@@ -1,0 +1,70 @@
+"""The SLO controller on a fake clock: AIMD on the limit, hysteresis, the degradation ladder."""
+
+from tinyserve.core.slo import SloController
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def window(slo: SloController, clock: Clock, ttft: float, n: int = 20):
+    for _ in range(n):
+        slo.observe(ttft=ttft)
+    clock.t += slo.window_s
+    return slo.tick()
+
+
+def test_violations_cut_the_limit_and_comfort_grows_it_back():
+    clock = Clock()
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=100, clock=clock)
+    stats = window(slo, clock, ttft=0.9)
+    assert stats.violated and slo.limit == 70
+    assert window(slo, clock, ttft=0.9) is None  # the window after a cut is not judged
+    window(slo, clock, ttft=0.9)
+    assert slo.limit == 49
+    window(slo, clock, ttft=0.9)  # (paused)
+    window(slo, clock, ttft=0.45)  # under the target but not comfortably: hold
+    assert slo.limit == 49
+    window(slo, clock, ttft=0.2)  # comfortable: an eighth more
+    assert slo.limit == 55
+
+
+def test_no_samples_no_judgement_and_disabled_does_nothing():
+    clock = Clock()
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=10, clock=clock)
+    clock.t += 10
+    assert slo.tick() is None and slo.limit == 10
+    off = SloController(None, None, max_limit=10, clock=clock)
+    off.observe(ttft=99.0)
+    clock.t += 10
+    assert off.tick() is None and off.limit == 10 and not off.enabled
+
+
+def test_persistent_violation_climbs_the_ladder_and_recovery_descends_it():
+    clock = Clock()
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=20, clock=clock)
+    for _ in range(6):  # every other window is a pause
+        window(slo, clock, ttft=2.0)
+    assert slo.level == 1 and "lowest priority" in slo.reason
+    for _ in range(40):
+        window(slo, clock, ttft=2.0)
+    assert slo.level == 3 and slo.limit == 1
+    while slo.level:
+        window(slo, clock, ttft=0.1)
+    assert slo.limit == 20 and slo.reason == ""  # back to normal only at the full limit
+
+
+def test_itl_target_and_per_request_goodput():
+    clock = Clock()
+    slo = SloController(ttft_s=None, itl_s=0.05, max_limit=10, clock=clock)
+    for _ in range(10):
+        slo.observe(itls=(0.2, 0.2))
+    clock.t += slo.window_s
+    assert slo.tick().violated and slo.limit == 7
+    both = SloController(ttft_s=1.0, itl_s=0.05, max_limit=10, clock=clock)
+    assert both.met(0.5, (0.04, 0.06))  # the mean ITL counts
+    assert not both.met(1.5, (0.01,)) and not both.met(None, ())
