@@ -4,10 +4,10 @@
 
 The real server in-process on a stand-in model of fixed step cost (20 ms), 8 sequences per
 step, 8 tokens per request: capacity is about 8 / (9 x 20 ms) = 44 requests/s. Open-loop
-Poisson load at 0.5x, 1x, 1.5x and 2x of that, one phase each. Reports, per configuration,
-goodput (requests answered 200 with TTFT within the target, per second) and, over 1 s windows
-of the 2x phase after its first 4 s (convergence), the share of windows whose P95 TTFT meets
-the target. Without SLO control the queue fills (up to --max-waiting) and TTFT grows with it;
+Poisson load at 1x, 1.5x and 2x of that, one phase each. Reports, per configuration, goodput
+(requests answered 200 with TTFT within the target, per second) and, over 1 s windows of the
+2x phase after its first 6 s (convergence), the share of windows whose P95 TTFT meets the
+target. Without SLO control the queue fills (up to --max-waiting) and TTFT grows with it;
 with it the server holds only what it can serve in time and turns the rest away with 429.
 """
 
@@ -55,8 +55,9 @@ async def _load(url: str, phases: list[tuple[float, float]], seed: int
         return await asyncio.gather(*jobs)
 
 
-def run(phase_seconds: float = 15.0, slo_ttft_ms: float | None = 400.0, seed: int = 1) -> dict:
-    phases = [(phase_seconds, f * CAPACITY) for f in (0.5, 1.0, 1.5, 2.0)]
+def run(phase_seconds: float = 15.0, slo_ttft_ms: float | None = 400.0, seed: int = 1,
+        converge_s: float = 6.0) -> dict:
+    phases = [(phase_seconds, f * CAPACITY) for f in (1.0, 1.5, 2.0)]
     cfg = {"slo_ttft_ms": slo_ttft_ms} if slo_ttft_ms else {}
     srv = InProcessServer(FakeRunner(step_seconds=STEP_S), max_num_seqs=SEQS, max_waiting=256,
                           **cfg)
@@ -68,7 +69,7 @@ def run(phase_seconds: float = 15.0, slo_ttft_ms: float | None = 400.0, seed: in
     target = (slo_ttft_ms or 400.0) / 1000
     total = sum(s for s, _ in phases)
     good = [r for r in results if r[1] == 200 and r[2] is not None and r[2] <= target]
-    last_start = total - phase_seconds + 4.0  # the 2x phase, after convergence
+    last_start = total - phase_seconds + converge_s  # the 2x phase, after convergence
     windows = []
     t = last_start
     while t + WINDOW_S <= total:
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--phase-seconds", type=float, default=15.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=400.0)
     args = ap.parse_args()
-    print(f"stand-in capacity ~{CAPACITY:.0f} requests/s; phases 0.5x, 1x, 1.5x, 2x of it, "
+    print(f"stand-in capacity ~{CAPACITY:.0f} requests/s; phases 1x, 1.5x, 2x of it, "
           f"{args.phase_seconds:g} s each; TTFT target {args.slo_ttft_ms:g} ms")
     for label, slo in (("without --slo-ttft-ms", None), ("with --slo-ttft-ms", args.slo_ttft_ms)):
         r = run(args.phase_seconds, slo)

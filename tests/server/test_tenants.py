@@ -149,3 +149,46 @@ def test_a_quiet_tenant_keeps_its_ttft_next_to_a_flooder():
     assert r["lost"] == 0 and r["quiet_not_200"] == 0
     assert not any(r["idle_after"].values())
     assert r["quiet_loaded_ttft_p95"] <= 1.5 * r["quiet_alone_ttft_p95"] + 0.1, r
+
+
+def test_the_degradation_ladder_sheds_by_priority_and_caps_degradable_tenants():
+    tenants = (TenantConfig("gold", "key-gold", priority=10),
+               TenantConfig("silver", "key-silver", priority=5, degradable=True),
+               TenantConfig("bronze", "key-bronze", priority=0, degradable=True))
+    srv = InProcessServer(FakeRunner(), tenants=tenants, max_model_len=512, slo_ttft_ms=1000)
+    slo = srv.server.batcher.slo
+    slo.clock = lambda: 0.0  # its windows never close: the test sets the level itself
+
+    async def status(key, max_tokens=4):
+        code, got, headers = await post(srv.url, "/v1/completions", body([1, 5], max_tokens),
+                                        auth(key))
+        return code, got, headers
+
+    async def ready():
+        async with aiohttp.ClientSession() as s, s.get(srv.url + "/ready") as r:
+            return r.status, await r.json()
+
+    async def main():
+        assert await ready() == (200, {"status": "ready", "level": 0, "reason": ""})
+        slo.level, slo.reason = 1, "shedding the lowest priority (test)"
+        code, got, headers = await status("key-bronze")
+        assert code == 503 and "shed" in got["error"]["message"] and headers["Retry-After"]
+        assert (await status("key-silver"))[0] == 200 and (await status("key-gold"))[0] == 200
+        code, state = await ready()
+        assert code == 200 and state["status"] == "degraded" and state["level"] == 1
+        slo.level = 2
+        code, got, _ = await status("key-silver", max_tokens=300)
+        assert code == 200 and got["usage"]["completion_tokens"] == 128  # capped
+        code, got, _ = await status("key-gold", max_tokens=300)
+        assert code == 200 and got["usage"]["completion_tokens"] == 300  # not degradable
+        slo.level = 3
+        assert (await status("key-silver"))[0] == 503 and (await status("key-gold"))[0] == 200
+        async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
+            text = await r.text()
+        assert 'tinyserve:admission_rejections_total{reason="degraded",tenant="bronze"} 1.0' in text
+        assert 'tinyserve:request_goodput_total{tenant="gold"}' in text
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
