@@ -95,6 +95,11 @@ class Server:
                               engine.tokenizer)
         self.ingress.backend = Backend(parser, self.admission, batcher.inbox, self.metrics,
                                        self.supervisor)
+        for t in self.cfg.tenants:  # keys are never logged: a short hash tells them apart
+            log.info("tenant %s: key sha256:%s, priority %d, max_concurrent %s, "
+                     "tokens_per_minute %s, cache_group %r%s", t.name, t.key_id, t.priority,
+                     t.max_concurrent, t.tokens_per_minute, t.cache_salt.decode(),
+                     ", degradable" if t.degradable else "")
         await self._warm_up(engine.tokenizer)
         self.admission.ready = True
         log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB)%s",
