@@ -27,7 +27,6 @@ Pure Python with an injectable clock, so it is tested without a server.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,7 +71,6 @@ class SloController:
         self._window_end = clock() + window_s
         self._bad = self._good = 0
         self._pause = False  # skip judging the window after a decrease
-        self.history: deque[WindowStats] = deque(maxlen=1000)
 
     @property
     def enabled(self) -> bool:
@@ -121,9 +119,7 @@ class SloController:
             if self._good >= STREAK and self.limit == self.max_limit and self.level:
                 self._set_level(self.level - 1, "P95 back under target")
                 self._good = 0
-        stats = WindowStats(now, ttft, itl, self.limit, self.level, violated)
-        self.history.append(stats)
-        return stats
+        return WindowStats(now, ttft, itl, self.limit, self.level, violated)
 
     def _set_level(self, level: int, why: str) -> None:
         level = max(0, min(MAX_LEVEL, level))
