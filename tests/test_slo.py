@@ -58,6 +58,18 @@ def test_persistent_violation_climbs_the_ladder_and_recovery_descends_it():
     assert slo.limit == 20 and slo.reason == ""  # back to normal only at the full limit
 
 
+def test_scheduler_limits_follow_the_limit_and_never_starve_decodes():
+    clock = Clock()
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=100, clock=clock)
+    assert slo.scheduler_limits(64, 2048) == (64, 2048)
+    window(slo, clock, ttft=9.0)
+    assert slo.scheduler_limits(64, 2048) == (64, int(2048 * 0.7))
+    slo.limit = 4
+    assert slo.scheduler_limits(64, 2048) == (4, 81)
+    slo.limit = 1
+    assert slo.scheduler_limits(64, 100) == (1, 2)  # still room for the decode and a prompt
+
+
 def test_itl_target_and_per_request_goodput():
     clock = Clock()
     slo = SloController(ttft_s=None, itl_s=0.05, max_limit=10, clock=clock)

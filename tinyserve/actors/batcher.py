@@ -174,7 +174,9 @@ class Batcher:
             if req.seq.is_finished:
                 self._end(req, req.seq.finish_reason)
         if self.slo.tick() is not None:
-            self.core.scheduler.max_running = min(self.core.cfg.max_num_seqs, self.slo.limit)
+            sched, cfg = self.core.scheduler, self.core.cfg
+            sched.max_running, sched.max_tokens_per_step = self.slo.scheduler_limits(
+                cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self._emit_stats(plan.num_tokens)
 
     # -- outputs -----------------------------------------------------------------------------

@@ -68,7 +68,9 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cache hits)
-        self.max_running = cfg.max_num_seqs  # the SLO controller may lower it
+        # The SLO controller may lower both (SloController.scheduler_limits).
+        self.max_running = cfg.max_num_seqs
+        self.max_tokens_per_step = cfg.max_num_batched_tokens
         self.served: dict[str, int] = {}  # tenant -> tokens scheduled for it (virtual counter)
         self._active: Counter[str] = Counter()  # tenant -> its unfinished sequences
 
@@ -121,7 +123,7 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        budget = self.cfg.max_num_batched_tokens
+        budget = self.max_tokens_per_step
         chosen: list[tuple[Sequence, int]] = []
         preempted = False
         while (self.waiting and len(self.running) >= self.max_running

@@ -1,8 +1,9 @@
 """SLO controller: keeps windowed P95 TTFT and ITL under their targets by moving one limit.
 
 ``limit`` is how many requests the server holds at once (running + waiting; admission's
-capacity, and the scheduler's max_num_seqs when smaller). Each closed window (``window_s``)
-with samples is judged against the targets:
+capacity, and the scheduler's max_num_seqs when smaller); the step's token budget (the prefill
+share of a step) shrinks in proportion, so fewer prompt tokens ride along with each decode.
+Each closed window (``window_s``) with samples is judged against the targets:
 
     violated (a P95 over its target)        limit x 0.7, at least 1       (multiplicative decrease)
     comfortable (every P95 < 0.8 x target)  limit + limit / 8, at least 1 (gentle increase)
@@ -120,6 +121,13 @@ class SloController:
                 self._set_level(self.level - 1, "P95 back under target")
                 self._good = 0
         return WindowStats(now, ttft, itl, self.limit, self.level, violated)
+
+    def scheduler_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+        """(max running sequences, tokens per step) under the current limit. The budget keeps
+        room for every running decode plus some prefill, so nothing starves."""
+        running = min(max_num_seqs, self.limit)
+        share = self.limit / self.max_limit
+        return running, max(2 * running, int(max_num_batched_tokens * share))
 
     def _set_level(self, level: int, why: str) -> None:
         level = max(0, min(MAX_LEVEL, level))
