@@ -338,3 +338,29 @@ def test_an_idle_tenant_gets_no_credit_for_its_idle_time():
     sched.add(late)
     # a rejoins at b's count: its old, smaller one would let it jump ahead by 20+ tokens
     assert sched.served["a"] == sched.served["b"] > a_before
+
+
+def test_a_higher_priority_arrival_takes_blocks_from_lower_ones_when_the_pool_is_dry():
+    reference = run(*make_scheduler(num_blocks=64, block_size=4),
+                    create_requests(4, num_tokens=12, max_tokens=12)
+                    + create_requests(1, num_tokens=8, max_tokens=3, start_id=50))
+    sched, ex = make_scheduler(num_blocks=16, block_size=4, max_model_len=32, max_num_seqs=8)
+    low = create_requests(4, num_tokens=12, max_tokens=12)
+    for s in low:
+        sched.add(s)
+        ex.tokens_by_seq[s.seq_id] = s.token_ids
+    for _ in range(3):  # the low ones fill the pool
+        sched.update(plan := sched.schedule(), ex.execute(plan))
+        sched.kv.pool.check_integrity()
+    assert sched.kv.pool.num_available < 3
+    [high] = _with_priority(create_requests(1, num_tokens=8, max_tokens=3, start_id=50), 9)
+    sched.add(high)
+    ex.tokens_by_seq[50] = high.token_ids
+    plan = sched.schedule()
+    assert 50 in {s.seq_id for s in plan.seqs}  # scheduled at once, not after a low one ends
+    sched.update(plan, ex.execute(plan))
+    assert sum(s.num_preemptions for s in low) >= 1
+    assert run(sched, ex, []) == {}  # drain what is left
+    assert {s.seq_id: (tuple(s.output_token_ids), s.finish_reason) for s in low + [high]} \
+        == reference
+    assert sched.kv.pool.usage == 0.0

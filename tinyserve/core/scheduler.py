@@ -3,16 +3,18 @@
 One token budget, no prefill/decode modes. Each step:
 
 0. when max_num_seqs are running and the head of the queue has a higher priority than the
-   lowest running one, that one (the newest of the lowest priority) is preempted for it.
+   lowest running one, that one (the newest of the lowest priority) is preempted for it; so
+   it is when blocks are short (step 2).
 1. running sequences, highest priority first, then oldest, each get what they still need (1
    token for a decode, the rest of the prompt, or a budget-capped chunk of it). When the pool
    is dry the last of them (lowest priority, newest) is preempted: its blocks are released
    and it goes back to the waiting queue in its old place, to be recomputed later (its output
    so far is kept; its full blocks stay in the prefix cache, so the recompute is often mostly
    cache hits).
-2. if nothing was preempted, waiting sequences in the same order (priority, then arrival)
-   while budget, max_num_seqs and blocks allow; each first takes its cached prefix. Within the
-   highest waiting priority, tenants take turns by served tokens (a virtual token counter, as
+2. waiting sequences in the same order (priority, then arrival) while budget, max_num_seqs and
+   blocks allow (after a preemption, only those that outrank a running sequence); each first
+   takes its cached prefix, and one that finds no blocks preempts lower-priority running
+   ones. Within the highest waiting priority, tenants take turns by served tokens (a virtual token counter, as
    in VTC, Sheng et al. 2024): the next sequence is the oldest of the tenant served least, so
    a tenant flooding the queue cannot starve another of the same priority. A tenant that was
    idle starts from the least-served active tenant's count (no credit for idle time).
@@ -145,27 +147,44 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_running):
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self._next_waiting()
+            if preempted and not self._outranks(seq):
+                break  # blocks are short: only a higher priority may take them this step
             if not seq.block_ids:
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.allocate(seq, n):
-                self.kv.free(seq)  # give back the prefix references until blocks free up
-                break
-            self.waiting.remove(seq)
-            if seq.num_preemptions == 0:
-                self.kv.record_admission(seq)
-            seq.status = SeqStatus.RUNNING
-            bisect.insort(self.running, seq, key=_order)
-            chosen.append((seq, n))
-            budget -= n
+            while not self.kv.allocate(seq, n):
+                if not self._outranks(seq):
+                    break
+                victim = self.running.pop()  # the lowest priority, newest: its blocks go
+                self._preempt(victim)
+                preempted = True
+                for j, (other, k) in enumerate(chosen):
+                    if other is victim:  # its share of this step is void with its blocks
+                        del chosen[j]
+                        budget += k
+                        break
+            else:
+                self.waiting.remove(seq)
+                if seq.num_preemptions == 0:
+                    self.kv.record_admission(seq)
+                seq.status = SeqStatus.RUNNING
+                bisect.insort(self.running, seq, key=_order)
+                chosen.append((seq, n))
+                budget -= n
+                continue
+            self.kv.free(seq)  # give back the prefix references until blocks free up
+            break
 
         if not chosen:
             return None
         self._step_id += 1
         return StepPlan(step_id=self._step_id, seqs=tuple(self._plan_entry(s, n) for s, n in chosen))
+
+    def _outranks(self, seq: Sequence) -> bool:
+        """A running sequence of lower priority exists (the last one), whose blocks it may take."""
+        return bool(self.running) and self.running[-1].priority < seq.priority
 
     def _next_waiting(self) -> Sequence:
         """The oldest waiting sequence of the least-served tenant at the top priority.
