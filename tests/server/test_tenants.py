@@ -192,3 +192,47 @@ def test_the_degradation_ladder_sheds_by_priority_and_caps_degradable_tenants():
         asyncio.run(main())
     finally:
         srv.stop()
+
+
+def test_under_kv_pressure_high_priority_keeps_its_ttft_and_low_priority_still_finishes():
+    """Acceptance (issue 7): a high-priority tenant's TTFT next to low-priority requests that
+    overflow the KV pool stays within 1.5x of its unloaded value (plus one step of slack);
+    the low-priority requests are preempted and still complete with their solo text."""
+    from loadtest.bench_tenants import stream_one
+
+    tenants = (TenantConfig("hi", "key-hi", priority=10), TenantConfig("lo", "key-lo"))
+    srv = InProcessServer(FakeRunner(step_seconds=0.02), tenants=tenants, num_kv_blocks=24,
+                          max_num_seqs=16)
+    lo_prompts = [[1] + [(7 * i + j) % 250 + 3 for j in range(59)] for i in range(12)]
+
+    async def lo_request(s, prompt):
+        async with s.post(srv.url + "/v1/completions", json=body(prompt, 30),
+                          headers=auth("key-lo")) as r:
+            return r.status, (await r.json())["choices"][0]["text"]
+
+    async def hi_ttfts(s):
+        return [(await stream_one(s, srv.url, "key-hi", i, 4))[1] for i in range(8)]
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(120)) as s:
+            alone = await hi_ttfts(s)
+            lows = [asyncio.ensure_future(lo_request(s, p)) for p in lo_prompts]
+            await asyncio.sleep(0.3)  # the pool is full of low-priority blocks
+            loaded = await hi_ttfts(s)
+            together = await asyncio.gather(*lows)
+            solo = [await lo_request(s, p) for p in lo_prompts]
+            async with s.get(srv.url + "/metrics") as r:
+                metrics = await r.text()
+        return alone, loaded, together, solo, metrics
+
+    try:
+        alone, loaded, together, solo, metrics = asyncio.run(main())
+    finally:
+        srv.stop()
+    preemptions = float(next(line.split()[-1] for line in metrics.splitlines()
+                             if line.startswith("tinyserve:num_preemptions_total")))
+    print(f"\nhigh priority TTFT alone max {max(alone) * 1e3:.0f} ms, next to a full KV pool "
+          f"max {max(loaded) * 1e3:.0f} ms; {preemptions:.0f} preemptions")
+    assert preemptions > 0
+    assert together == solo and all(status == 200 for status, _ in together)
+    assert max(loaded) <= 1.5 * max(alone) + 0.02, (alone, loaded)
