@@ -80,7 +80,7 @@ class Graph:
                 if isinstance(out, Failed) or out.finish_reason:
                     return first, outs
         finally:
-            self.admission.release("default")  # what ingress does when the request's handler ends
+            self.admission.release(rid)  # what ingress does when the request's handler ends
 
 
 def test_requests_flow_through_the_actors(tokenizer):

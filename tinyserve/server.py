@@ -122,7 +122,7 @@ class Server:
             msg = await replies.get()
             if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
                 break
-        self.admission.release(None)
+        self.admission.release(WARMUP_ID)
         if isinstance(msg, Failed):
             raise RuntimeError(f"warm-up step failed: {msg.message}")
         log.info("warm-up done in %.2fs", time.perf_counter() - t0)

@@ -58,14 +58,17 @@ class Admission:
         self.draining = False  # set on SIGTERM
         self.num_admitted = 0
         self.num_released = 0
+        self._charged: dict[int, tuple[str, int]] = {}  # id -> (tenant, max_tokens charged)
 
-    def release(self, tenant: str | None, unused_tokens: int = 0) -> None:
+    def release(self, request_id: int, generated: int = 0) -> None:
         """An accepted request is over for good: its HTTP handler has ended (so its reply
-        queue is gone too); ``unused_tokens`` go back to the tenant's bucket. Called by ingress
-        (and, with tenant None, by the server for its warm-up)."""
+        queue is gone too); the completion tokens it was charged for and did not generate go
+        back to its tenant's bucket. Called by ingress (and by the server for its warm-up)."""
         self.num_released += 1
-        if tenant is not None:
-            self.quotas.release(tenant, unused_tokens)
+        charged = self._charged.pop(request_id, None)
+        if charged is not None:
+            tenant, max_tokens = charged
+            self.quotas.release(tenant, max(0, max_tokens - generated))
 
     def in_system(self) -> int:
         """Requests holding a slot, from acceptance until their handler ends (a slow reader
@@ -111,6 +114,7 @@ class Admission:
         self.num_admitted += 1
         if not msg.internal:
             self.quotas.admit(msg.tenant, cost)
+            self._charged[msg.request_id] = (msg.tenant, msg.params.max_tokens)
         msg.reply_to.put_nowait(Accepted())
 
     def _degrade(self, msg: Submit) -> tuple[Submit, tuple[str, Failed] | None]:

@@ -88,8 +88,7 @@ class _Call:
     rid: int
     replies: asyncio.Queue
     tenant: str
-    max_tokens: int
-    generated: int = 0  # completion tokens seen so far (the rest is refunded to the tenant)
+    generated: int = 0  # completion tokens seen so far (admission refunds the rest)
     accepted: bool = False  # admission forwarded it to the batcher
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
 
@@ -211,8 +210,7 @@ class Ingress:
             req, prompt_ids, params = await b.parser.parse(await self._body(request), kind)
         shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
             req, self.model_name, b.parser.tokenizer, params.logprobs is not None)
-        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name,
-                     params.max_tokens)
+        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name)
         self._live[call.rid] = call
         try:
             await self._submit(b, call, prompt_ids, params, tenant)
@@ -232,7 +230,7 @@ class Ingress:
             if not call.done:
                 self._abort(b, call)
             if call.accepted:
-                b.admission.release(call.tenant, call.max_tokens - call.generated)
+                b.admission.release(call.rid, call.generated)
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
                       params: SamplingParams, tenant: TenantConfig) -> None:
@@ -306,7 +304,7 @@ class Ingress:
         """The client left before admission decided: if it accepts, abort right behind."""
         if isinstance(await call.replies.get(), Accepted):
             self._send_abort(b, call.rid)
-            b.admission.release(call.tenant, call.max_tokens)
+            b.admission.release(call.rid)
 
     def _send_abort(self, b: Backend, rid: int) -> None:
         try:
