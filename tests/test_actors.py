@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.test_scheduler import FakeExecutor
-from tinyserve.actors.admission import Admission
+from tinyserve.actors.admission import Admission, Lane
 from tinyserve.actors.batcher import Batcher
 from tinyserve.actors.executor import Executor
 from tinyserve.actors.metrics import Metrics
@@ -36,10 +36,11 @@ class Graph:
         self.core = EngineCore(cfg, tokenizer)
         self.fake = FakeExecutor(4)
         self.metrics = Metrics(64, 32)
-        self.executor = Executor(execute or self._fake_step)
-        self.batcher = Batcher(self.core, self.executor.inbox, self.metrics, capacity)
-        self.executor.outbox = self.batcher.inbox
-        self.admission = Admission(self.batcher.inbox, lambda: 0, capacity)
+        self.executor = Executor({"m": execute or self._fake_step})
+        self.batcher = Batcher(self.core, self.executor.inbox, self.metrics, capacity, model="m")
+        self.executor.outboxes["m"] = self.batcher.inbox
+        self.admission = Admission([Lane("m", self.batcher.inbox, capacity, 64,
+                                         lambda: self.batcher.aborts_received)])
         self.admission.ready = True
 
     def _fake_step(self, plan):
@@ -93,7 +94,8 @@ def test_requests_flow_through_the_actors(tokenizer):
                 assert "".join(o.text for o in outs)
             assert g.batcher.num_requests == 0 and g.core.kv.usage == 0.0
             text = g.metrics.render().decode()
-            assert 'tinyserve:request_success_total{finished_reason="length"} 6.0' in text
+            assert 'tinyserve:request_success_total{finished_reason="length",model="m"} 6.0' \
+                in text
     asyncio.run(main())
 
 
@@ -110,7 +112,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tokenize
                 raise RuntimeError("CUDA error: an illegal memory access (simulated)")
             return fake_step(plan)
 
-        g.executor._execute = flaky
+        g.executor.runners["m"] = flaky
         async with g:
             _, outs = await g.request(1)
             assert isinstance(outs[-1], Failed) and outs[-1].status == 500

@@ -10,7 +10,15 @@ import sys
 # Before numpy/torch load: numpy threads inside Triton's CPU interpreter only slow it down.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from tinyserve.config import EngineConfig, ServerConfig, load_tenants  # noqa: E402
+from tinyserve.config import (  # noqa: E402
+    EngineConfig,
+    ServerConfig,
+    build_models,
+    load_tenants,
+    parse_fallback,
+    parse_route,
+)
+from tinyserve.routing import Router  # noqa: E402
 
 
 def parse_size(text: str) -> int:
@@ -31,14 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "Llama trained on TinyStories).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=None,
+    m.add_argument("--model", action="append", default=None, metavar="[NAME=]DIR[,OPT=V...]",
                    help="Hugging Face Llama model directory (config.json, *.safetensors, "
-                        "tokenizer.json); omit to serve the bundled stories260k")
+                        "tokenizer.json); omit to serve the bundled stories260k (also the DIR "
+                        "'stories260k'). Repeat as NAME=DIR to serve several models; per-model "
+                        "options after commas: quantization=int8, kv_share=0.3 (share of the KV "
+                        "budget; default: an equal split), max_model_len=N")
     m.add_argument("--demo", action="store_true",
                    help="serve a random-weight demo model instead of --model (its output is "
                         "noise; for exercising the server)")
     m.add_argument("--served-model-name", default=None,
-                   help="the name clients send as `model` (default: the directory's name)")
+                   help="the name clients send as `model` (default: the directory's name; "
+                        "with several models, use --model NAME=DIR)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weight and activation dtype; auto is float32 on CPU, the checkpoint's "
                         "half type on GPU")
@@ -84,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests it holds, and degrades (sheds low priority) to keep it")
     s.add_argument("--slo-itl-ms", type=float, default=None,
                    help="P95 inter-token latency target (same control)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--route", action="append", default=[], metavar="ALIAS=NAME:W,NAME:W",
+                   help="requests for model ALIAS go to the named models by weight (a gray "
+                        "release), sticky per `user` field (else per tenant); repeatable; "
+                        "admin tenants change weights live with POST /admin/routes")
+    r.add_argument("--fallback", action="append", default=[], metavar="NAME=OTHER",
+                   help="serve NAME's degradable tenants with OTHER while NAME is degraded "
+                        "(SLO ladder level 2+) or its steps fail; the two must share a "
+                        "tokenizer")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests get to finish; the rest get 503")
     s.add_argument("--step-timeout", type=float, default=60.0,
@@ -103,20 +124,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.demo and args.model:
+            raise ValueError("--demo and --model are exclusive: give one")
         engine_cfg = EngineConfig(
-            model=args.model, random_demo=args.demo, dtype=args.dtype, quantization=args.quantization,
+            random_demo=args.demo, dtype=args.dtype, quantization=args.quantization,
             device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching)
+        models = build_models(engine_cfg, args.model or [], args.served_model_name)
         tenants = load_tenants(args.tenants) if args.tenants else ()
         server_cfg = ServerConfig(
+            routes=tuple(parse_route(r) for r in args.route),
+            fallbacks=tuple(parse_fallback(f) for f in args.fallback),
             tenants=tenants, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
-            host=args.host, port=args.port, served_model_name=args.served_model_name,
+            host=args.host, port=args.port,
             api_key=args.api_key, max_waiting=args.max_waiting,
             batch_timeout_ms=args.batch_timeout_ms, drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level)
+        Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks
     except (ValueError, OSError) as e:  # OSError: an unreadable tenants file
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -127,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         import asyncio
 
-        return asyncio.run(serve(server_cfg, engine_cfg))
-    return uvloop.run(serve(server_cfg, engine_cfg))
+        return asyncio.run(serve(server_cfg, models))
+    return uvloop.run(serve(server_cfg, models))
 
 
 if __name__ == "__main__":

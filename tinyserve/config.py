@@ -5,8 +5,12 @@ Validation errors name the bad field, so CLI and API users see which knob is wro
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
+BUNDLED = "stories260k"  # as a model directory: the model inside the package (if no such dir)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "int8")
 
@@ -29,13 +33,18 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output limit; None: the model's own
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded requests, reproducibly per engine
+    # Several models in one process (the server sets these; see ModelSpec): with the KV size
+    # sized from free memory, the share of it this model takes (of what is left when it loads)
+    # and the bytes to leave for the weights of the models loaded after it.
+    kv_share: float = 1.0
+    kv_reserve_bytes: int = 0
 
     @property
     def resolved_model(self) -> str:
         """The model directory to load (the demo's is made on first use)."""
         if self.random_demo:
             return "tinyserve-demo"
-        if self.model is None:
+        if self.model is None or (self.model == BUNDLED and not Path(self.model).exists()):
             from tinyserve.models import STORIES260K
 
             return str(STORIES260K)
@@ -58,12 +67,138 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("num_kv_blocks and kv_cache_memory are exclusive: give one")
+        if not 0.0 < self.kv_share <= 1.0:
+            raise ValueError(f"kv_share must be in (0, 1], got {self.kv_share}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # served model names and aliases
+MODEL_OPTIONS = ("quantization", "kv_share", "max_model_len")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One served model: the name clients send as ``model``, and how to load it."""
+
+    name: str
+    engine: EngineConfig
+
+
+def parse_model_arg(text: str) -> tuple[str | None, str, dict[str, str]]:
+    """``--model`` values: ``DIR``, ``NAME=DIR``, or ``NAME=DIR,option=value,...`` with options
+    quantization (int8), kv_share (0-1: this model's share of the KV budget) and
+    max_model_len. DIR ``stories260k`` is the bundled model."""
+    name, sep, rest = text.partition("=")
+    if not sep or "/" in name or not _NAME.match(name):
+        return None, text, {}  # a bare directory (which may itself contain '=' or ',')
+    path, *opts = rest.split(",")
+    options = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or key not in MODEL_OPTIONS:
+            raise ValueError(f"--model {text}: unknown option {opt!r} (options: "
+                             f"{', '.join(MODEL_OPTIONS)})")
+        options[key] = value
+    if not path:
+        raise ValueError(f"--model {text}: no model directory after '='")
+    return name, path, options
+
+
+def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
+                 served_model_name: str | None = None) -> tuple[ModelSpec, ...]:
+    """The served models: ``base`` holds the shared options, each --model its own.
+
+    KV budget: an explicit --num-kv-blocks / --kv-cache-memory is the total, split by
+    kv_share; models without kv_share split what the others leave equally. Sized from free
+    memory, each model takes its share of what is left when it loads, after reserving the
+    weights of the models still to load."""
+    if not model_args:
+        name = served_model_name or Path(base.resolved_model).name
+        return (ModelSpec(name, base),)
+    parsed = [parse_model_arg(a) for a in model_args]
+    if served_model_name and len(parsed) > 1:
+        raise ValueError("--served-model-name names one model; with several, use --model NAME=DIR")
+    specs: list[tuple[str, str, dict[str, str]]] = []
+    for name, path, options in parsed:
+        name = name or served_model_name or Path(path).name
+        if not _NAME.match(name):
+            raise ValueError(f"model name {name!r}: use letters, digits and . _ : -")
+        specs.append((name, path, options))
+    names = [n for n, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two models are served as one name: {names}")
+    shares: list[float | None] = []
+    for name, _, options in specs:
+        share = options.get("kv_share")
+        try:
+            shares.append(None if share is None else float(share))
+        except ValueError:
+            raise ValueError(f"model {name}: kv_share must be a number, got {share!r}") from None
+    given = sum(s for s in shares if s is not None)
+    if any(s is not None and not 0 < s <= 1 for s in shares) or given > 1 + 1e-9:
+        raise ValueError(f"kv_share: each in (0, 1], together at most 1; got {shares}")
+    unset = shares.count(None)
+    if unset and given >= 1:
+        raise ValueError("kv_share: the models that set one leave nothing for the others")
+    resolved = [s if s is not None else (1 - given) / unset for s in shares]
+    out = []
+    for i, ((name, path, options), share) in enumerate(zip(specs, resolved, strict=True)):
+        fields: dict = {"model": path, "random_demo": False, "kv_share": 1.0}
+        if "quantization" in options:
+            fields["quantization"] = options["quantization"] or None
+        if "max_model_len" in options:
+            try:
+                fields["max_model_len"] = int(options["max_model_len"])
+            except ValueError:
+                raise ValueError(f"model {name}: max_model_len must be an integer") from None
+        if base.num_kv_blocks is not None:
+            fields["num_kv_blocks"] = max(1, int(base.num_kv_blocks * share))
+        elif base.kv_cache_memory is not None:
+            fields["kv_cache_memory"] = max(1, int(base.kv_cache_memory * share))
+        else:
+            fields["kv_share"] = min(1.0, share / sum(resolved[i:]))
+            fields["kv_reserve_bytes"] = sum(_weight_bytes(p, o) for _, p, o in specs[i + 1:])
+        out.append(ModelSpec(name, dataclasses.replace(base, **fields)))
+    return tuple(out)
+
+
+def _weight_bytes(path: str, options: dict[str, str]) -> int:
+    """An upper bound on a checkpoint's weights in memory: its safetensors files (half of them
+    when quantized to int8 from 16 bits)."""
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    size = sum(f.stat().st_size for f in files)
+    return size // 2 if options.get("quantization") == "int8" else size
+
+
+def parse_route(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """``--route ALIAS=NAME:WEIGHT,NAME:WEIGHT``."""
+    alias, sep, rest = text.partition("=")
+    if not sep or not _NAME.match(alias):
+        raise ValueError(f"--route {text}: expected ALIAS=NAME:WEIGHT,NAME:WEIGHT")
+    targets = []
+    for part in rest.split(","):
+        name, colon, weight = part.rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not colon or not name or not w >= 0 or w == float("inf"):
+            raise ValueError(f"--route {text}: {part!r} is not NAME:WEIGHT (weight >= 0)")
+        targets.append((name, w))
+    return alias, tuple(targets)
+
+
+def parse_fallback(text: str) -> tuple[str, str]:
+    """``--fallback NAME=OTHER``."""
+    name, sep, other = text.partition("=")
+    if not sep or not name or not other:
+        raise ValueError(f"--fallback {text}: expected NAME=OTHER")
+    return name, other
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +268,6 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # None: the model directory's name
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_waiting: int = 256  # requests queued beyond max_num_seqs before 429s
     batch_timeout_ms: float = 0.0  # how long an idle engine waits to batch new arrivals
@@ -144,12 +278,16 @@ class ServerConfig:
     tenants: tuple[TenantConfig, ...] = ()  # from --tenants; empty: one default tenant
     slo_ttft_ms: float | None = None  # P95 time-to-first-token target: enables SLO control
     slo_itl_ms: float | None = None  # P95 inter-token latency target
+    routes: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()  # --route (parse_route)
+    fallbacks: tuple[tuple[str, str], ...] = ()  # --fallback (parse_fallback)
     log_level: str = "info"
 
     @property
     def tenant_list(self) -> tuple[TenantConfig, ...]:
         """The tenants; without a tenants file, one default tenant holding --api-key."""
-        return self.tenants or (TenantConfig("default", self.api_key, cache_group=""),)
+        # The default tenant is the operator (it may change routes): with --api-key, whoever
+        # holds the key; without one the whole API is open anyway.
+        return self.tenants or (TenantConfig("default", self.api_key, cache_group="", admin=True),)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -5,7 +5,11 @@
        |  +----Abort--------|------------------>|  +---StepResult------+
        +--Accepted/Failed---+                   |
        +--------Output/Failed (per request)-----+
-    Batcher, Ingress --StepStats/RequestFinished/RequestFailed--> Metrics
+    Batcher, Admission, Ingress --StepStats/RequestFinished/Rerouted/...--> Metrics
+
+With several models each has its own batcher (and engine core); admission picks the batcher
+(a fallback's, when the model is degraded or down), and the one executor runs the batchers'
+steps in turn: its inbox takes (model name, StepPlan).
     Supervisor: watches every actor task and the step in flight (no messages: it reads
     snapshots and, on a fatal fault, fails every pending request through Ingress)
 
@@ -130,6 +134,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     cache_salt: bytes = b""  # the tenant's cache group: prefix-cache sharing scope
     tenant: str = "default"
     priority: int = 0  # the tenant's
+    model: str = ""  # the served model it was routed to ("": the only one)
     internal: bool = False  # the server's own warm-up: kept out of request metrics and quotas
 
 
@@ -151,7 +156,7 @@ class AbortAll(msgspec.Struct, frozen=True, tag=True):
 
 
 class Accepted(msgspec.Struct, frozen=True, tag=True):
-    pass
+    model: str = ""  # the model that will answer (a fallback, if admission rerouted it)
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):
@@ -198,11 +203,13 @@ class StepStats(msgspec.Struct, frozen=True, tag=True):
     prefix_hits: int
     slo_limit: int = 0  # requests the SLO controller lets the server hold (0: no control)
     degradation_level: int = 0
+    model: str = ""
 
 
 class RequestFinished(msgspec.Struct, frozen=True, tag=True):
     finish_reason: str
     tenant: str
+    model: str
     within_slo: bool | None  # None: no SLO set
     prompt_tokens: int
     generation_tokens: int
@@ -214,7 +221,16 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True):
 
 class AdmissionRejected(msgspec.Struct, frozen=True, tag=True):
     tenant: str
-    reason: str  # "concurrency" | "tokens" | "capacity" | "degraded"
+    reason: str  # "concurrency" | "tokens" | "capacity" | "degraded" | "unavailable"
+
+
+class Rerouted(msgspec.Struct, frozen=True, tag=True):
+    """A degradable request for ``model`` is served by ``fallback`` instead."""
+
+    model: str
+    fallback: str
+    tenant: str
+    reason: str  # "degraded" (the model's SLO ladder at level 2+) | "down" (its steps fail)
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):

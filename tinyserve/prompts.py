@@ -1,8 +1,9 @@
 """Request body -> (typed request, prompt token ids, sampling params), every field bounded.
 
 The cheap checks run first, so hostile input costs almost nothing: the body is decoded by
-msgspec (types, nesting depth), the model named, and text longer than the context could ever
-hold is refused by its character count before it is tokenized. Only then are chat templates
+msgspec (types, nesting depth; ``protocol.decode_request``), the model routed (ingress), and
+text longer than the context could ever hold is refused by its character count before it is
+tokenized. Only then are chat templates
 rendered and text tokenized, in a worker thread when the input is large. Every refusal is an
 ``ApiError`` 4xx naming the field.
 """
@@ -22,7 +23,6 @@ from tinyserve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    decode_request,
     message_text,
     to_sampling_params,
 )
@@ -32,9 +32,9 @@ CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
 
 
 class PromptParser:
-    def __init__(self, model_name: str, max_model_len: int, vocab_size: int,
-                 tokenizer: Tokenizer) -> None:
-        self.model_name = model_name
+    """One served model's view of a request: its tokenizer, context length and vocabulary."""
+
+    def __init__(self, max_model_len: int, vocab_size: int, tokenizer: Tokenizer) -> None:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
@@ -42,12 +42,10 @@ class PromptParser:
         # that many per context slot cannot fit, whatever the tokenizer would make of them.
         self.max_chars = max_model_len * tokenizer.max_token_chars
 
-    async def parse(self, body: bytes, kind: type
-                    ) -> tuple[ChatCompletionRequest | CompletionRequest, list[int], SamplingParams]:
-        req = decode_request(body, kind)
-        if req.model != self.model_name:
-            raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
-                           code="model_not_found")
+    async def prepare(self, req: ChatCompletionRequest | CompletionRequest
+                      ) -> tuple[list[int], SamplingParams]:
+        """A decoded request (``protocol.decode_request``) routed to this model -> its prompt
+        token ids and sampling parameters."""
         chat = isinstance(req, ChatCompletionRequest)
         prompt_ids = await (self._chat_prompt(req) if chat else self._completion_prompt(req))
         if chat and req.max_completion_tokens is not None:
@@ -57,7 +55,7 @@ class PromptParser:
                                 "max_tokens")
         max_tokens = self.max_tokens(requested, len(prompt_ids), param,
                                      "messages" if chat else "prompt")
-        return req, prompt_ids, to_sampling_params(req, max_tokens, self.vocab_size)
+        return prompt_ids, to_sampling_params(req, max_tokens, self.vocab_size)
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:

@@ -262,6 +262,14 @@ class ModelCard(msgspec.Struct):
     owned_by: str = "tinyserve"
 
 
+class RouteUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /admin/routes``: new weights for one --route alias, e.g.
+    ``{"alias": "chat", "weights": {"a": 80, "b": 20}}``."""
+
+    alias: str
+    weights: dict[str, float]
+
+
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: Literal["list"] = "list"

@@ -5,7 +5,9 @@
     SIGTERM/SIGINT -> not ready, new requests 503 -> running requests finish (bounded by
     drain_timeout_s; the rest end with 503) -> exit 0
 
-All actors run on one event loop; the model runs in the executor's worker thread.
+All actors run on one event loop; the models run in the executor's one worker thread, in
+turn. Each served model has its own engine (weights, KV pool share), engine core (scheduler),
+batcher and SLO controller; admission, ingress, metrics and the supervisor are shared.
 """
 
 from __future__ import annotations
@@ -14,21 +16,22 @@ import asyncio
 import logging
 import signal
 import time
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
-from tinyserve.actors.admission import Admission
+from tinyserve.actors.admission import Admission, Lane
 from tinyserve.actors.batcher import Batcher
 from tinyserve.actors.executor import Executor
 from tinyserve.actors.ingress import Backend, Ingress
 from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
-from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.config import ModelSpec, ServerConfig
 from tinyserve.core.slo import SloController
 from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
 from tinyserve.prompts import PromptParser
+from tinyserve.routing import Router, describe
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +39,30 @@ WARMUP_ID = 0  # ingress numbers requests from 1
 
 
 class Server:
-    def __init__(self, cfg: ServerConfig, engine_cfg: EngineConfig, engine: Any = None) -> None:
-        """``engine``: an already built engine (``info``, ``tokenizer``, ``runner.execute``);
-        tests pass a fake one. None: build the real one from ``engine_cfg`` in ``load``."""
+    def __init__(self, cfg: ServerConfig, models: Sequence[ModelSpec],
+                 engines: dict[str, Any] | None = None) -> None:
+        """``models``: what to serve (``config.build_models``). ``engines``: already built
+        engines by model name (``info``, ``tokenizer``, ``runner.execute``); tests pass fake
+        ones. Models without one are built from their EngineConfig in ``load``."""
         self.cfg = cfg
-        self.engine_cfg = engine_cfg
-        self._engine = engine
-        self.model_name = cfg.served_model_name or Path(engine_cfg.resolved_model).name
-        self.ingress = Ingress(cfg, self.model_name)
+        self.models = tuple(models)
+        self._engines = dict(engines or {})
+        # Checks names, routes and fallbacks before anything loads (ValueError).
+        self.router = Router([m.name for m in self.models], cfg.routes, cfg.fallbacks)
+        self.ingress = Ingress(cfg)
         self.metrics: Metrics | None = None
         self.admission: Admission | None = None
-        self.batcher: Batcher | None = None
+        self.batchers: dict[str, Batcher] = {}
         self.executor: Executor | None = None
         self.supervisor: Supervisor | None = None
         self._stop = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+
+    @property
+    def batcher(self) -> Batcher:
+        """The first model's batcher (the only one, in a one-model server)."""
+        return next(iter(self.batchers.values()))
 
     async def start_http(self) -> None:
         self._runner = web.AppRunner(self.ingress.app(), handler_cancellation=True,
@@ -65,67 +76,101 @@ class Server:
         from tinyserve.core.engine import CoreConfig, EngineCore
 
         loop = asyncio.get_running_loop()
-        engine = self._engine
-        if engine is None:
-            from tinyserve.engine.engine import Engine
+        engines = {}
+        for spec in self.models:  # one at a time: each sizes its KV from what is left
+            engine = self._engines.get(spec.name)
+            if engine is None:
+                from tinyserve.engine.engine import Engine
 
-            engine = await loop.run_in_executor(None, Engine, self.engine_cfg)
-        info = engine.info
-        core = EngineCore(CoreConfig.from_engine(self.engine_cfg, info), engine.tokenizer)
-        capacity = self.engine_cfg.max_num_seqs + self.cfg.max_waiting
-        self.metrics = Metrics(info.max_model_len, self.engine_cfg.max_num_batched_tokens)
-        self.metrics.set_cache_config(info.block_size, info.num_kv_blocks)
-        self.executor = Executor(engine.runner.execute)
-        slo = SloController(_seconds(self.cfg.slo_ttft_ms), _seconds(self.cfg.slo_itl_ms),
-                            capacity)
-        self.batcher = batcher = Batcher(core, self.executor.inbox, self.metrics, capacity,
-                                         self.cfg.batch_timeout_ms, slo)
-        self.executor.outbox = batcher.inbox
+                engine = await loop.run_in_executor(None, Engine, spec.engine)
+            engines[spec.name] = engine
+        self._check_fallbacks(engines)
+        infos = {name: e.info for name, e in engines.items()}
+        self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
+                               max(m.engine.max_num_batched_tokens for m in self.models))
+        self.executor = Executor({name: e.runner.execute for name, e in engines.items()})
+        lanes = []
+        for spec in self.models:
+            info, ecfg = infos[spec.name], spec.engine
+            self.metrics.set_cache_config(spec.name, info.block_size, info.num_kv_blocks)
+            core = EngineCore(CoreConfig.from_engine(ecfg, info), engines[spec.name].tokenizer)
+            capacity = ecfg.max_num_seqs + self.cfg.max_waiting
+            slo = SloController(_seconds(self.cfg.slo_ttft_ms), _seconds(self.cfg.slo_itl_ms),
+                                capacity)
+            batcher = Batcher(core, self.executor.inbox, self.metrics, capacity,
+                              self.cfg.batch_timeout_ms, slo, spec.name)
+            self.batchers[spec.name] = batcher
+            self.executor.outboxes[spec.name] = batcher.inbox
+            lanes.append(Lane(spec.name, batcher.inbox, capacity, info.max_model_len,
+                              lambda b=batcher: b.aborts_received, slo,
+                              self.router.fallbacks.get(spec.name)))
         self.supervisor = Supervisor(self.executor, self._on_fatal, self.cfg.step_timeout_s,
-                                     self.cfg.max_failed_steps)
-        self.admission = Admission(
-            batcher.inbox, lambda: self.ingress.aborts_sent - batcher.aborts_received, capacity,
-            lambda: self.supervisor.failure, self.cfg.tenant_list, self.metrics.emit, slo)
+                                     self.cfg.max_failed_steps, self._on_model_down)
+        self.admission = Admission(lanes, lambda: self.supervisor.failure, self.cfg.tenant_list,
+                                   self.metrics.emit)
         self.supervisor.watch(self.executor.start())
-        for name, coro in (("metrics", self.metrics.run()), ("batcher", batcher.run()),
-                           ("admission", self.admission.run()),
-                           ("supervisor", self.supervisor.run())):
+        actors = [("metrics", self.metrics.run()), ("admission", self.admission.run()),
+                  ("supervisor", self.supervisor.run())]
+        actors += [(f"batcher[{name}]", b.run()) for name, b in self.batchers.items()]
+        for name, coro in actors:
             self.supervisor.watch(loop.create_task(coro, name=name))
-        parser = PromptParser(self.model_name, info.max_model_len, info.vocab_size,
-                              engine.tokenizer)
-        self.ingress.backend = Backend(parser, self.admission, batcher.inbox, self.metrics,
+        parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer)
+                   for name, e in engines.items()}
+        self.ingress.backend = Backend(parsers, self.admission, self.router, self.metrics,
                                        self.supervisor)
         for t in self.cfg.tenants:  # keys are never logged: a short hash tells them apart
             log.info("tenant %s: key sha256:%s, priority %d, max_concurrent %s, "
-                     "tokens_per_minute %s, cache_group %r%s", t.name, t.key_id, t.priority,
+                     "tokens_per_minute %s, cache_group %r%s%s", t.name, t.key_id, t.priority,
                      t.max_concurrent, t.tokens_per_minute, t.cache_salt.decode(),
-                     ", degradable" if t.degradable else "")
-        await self._warm_up(engine.tokenizer)
+                     ", degradable" if t.degradable else "", ", admin" if t.admin else "")
+        for alias, weights in self.router.routes.items():
+            log.info("route %s: %s", alias, describe(weights))
+        for name, other in self.router.fallbacks.items():
+            log.info("fallback %s -> %s (degradable tenants, while %s is degraded or down)",
+                     name, other, name)
+        for spec in self.models:
+            await self._warm_up(spec.name, engines[spec.name].tokenizer)
         self.admission.ready = True
-        log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB)%s",
-                 self.model_name, info.max_model_len, info.num_kv_blocks, info.block_size,
-                 info.kv_cache_bytes / 2**20,
-                 " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
+        for spec in self.models:
+            info = infos[spec.name]
+            log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB)%s%s",
+                     spec.name, info.max_model_len, info.num_kv_blocks, info.block_size,
+                     info.kv_cache_bytes / 2**20,
+                     f", {info.quantization}" if info.quantization else "",
+                     " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
+
+    def _check_fallbacks(self, engines: dict[str, Any]) -> None:
+        """A fallback serves prompts tokenized for the other model: the tokenizers must agree."""
+        for name, other in self.router.fallbacks.items():
+            a, b = engines[name].tokenizer, engines[other].tokenizer
+            if getattr(a, "fingerprint", None) != getattr(b, "fingerprint", None):
+                raise ValueError(f"--fallback {name}={other}: the two models' tokenizers "
+                                 "differ; a fallback must tokenize prompts the same way")
+
+    def _on_model_down(self, model: str, reason: str) -> None:
+        """Its steps keep failing while others serve: answer what it holds, route around it."""
+        self.admission.lanes[model].down = reason
+        self.ingress.fail_all(503, f"the model {model} is unavailable: {reason}", model)
 
     def _on_fatal(self, reason: str) -> None:
         self.ingress.fail_all(503, f"the server is unhealthy: {reason}")
 
-    async def _warm_up(self, tokenizer) -> None:
+    async def _warm_up(self, model: str, tokenizer) -> None:
         """One real request through admission, batcher and executor before we report ready."""
         t0 = time.perf_counter()
         replies: asyncio.Queue = asyncio.Queue(maxsize=8)
         prompt = (tokenizer.bos_token_id or 0,) * 2
         await self.admission.inbox.put(Submit(WARMUP_ID, prompt, SamplingParams(
             max_tokens=2, temperature=0.0, ignore_eos=True), time.monotonic(), replies,
-            internal=True))
+            model=model, internal=True))
         while True:
             msg = await replies.get()
             if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
                 break
         self.admission.release(WARMUP_ID)
         if isinstance(msg, Failed):
-            raise RuntimeError(f"warm-up step failed: {msg.message}")
-        log.info("warm-up done in %.2fs", time.perf_counter() - t0)
+            raise RuntimeError(f"{model}: warm-up step failed: {msg.message}")
+        log.info("%s: warm-up done in %.2fs", model, time.perf_counter() - t0)
 
     def request_stop(self) -> None:
         if self.admission is not None:
@@ -140,12 +185,13 @@ class Server:
 
         "In flight" is every HTTP handler still waiting on a request, wherever it is: parsing,
         before admission, queued, running, or writing its last bytes."""
-        if self.batcher is None:
+        if not self.batchers:
             return
         log.info("draining: %d requests in flight", self.ingress.num_live)
         if not await self._until_no_live(self.cfg.drain_timeout_s):
             log.warning("drain timeout: ending %d requests with 503", self.ingress.num_live)
-            self.batcher.inbox.put_nowait(AbortAll(503, "the server is shutting down"))
+            for batcher in self.batchers.values():
+                batcher.inbox.put_nowait(AbortAll(503, "the server is shutting down"))
             # Their handlers write the error (bounded: a stuck client must not hold us).
             await self._until_no_live(2.0)
 
@@ -170,8 +216,8 @@ def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
 
 
-async def serve(cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
-    server = Server(cfg, engine_cfg)
+async def serve(cfg: ServerConfig, models: Sequence[ModelSpec]) -> int:
+    server = Server(cfg, models)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)

@@ -1,6 +1,7 @@
 """Real servers (``python -m tinyserve`` subprocesses) on free ports, with stories260k."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,20 @@ def get(url: str, headers: dict | None = None, timeout: float = 10) -> tuple[int
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """Sum the samples of ``name`` in Prometheus text whose labels include ``labels``."""
+    want = set(re.findall(r'(\w+)="([^"]*)"', labels))
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        base, _, rest = key.partition("{")
+        if base == name and want <= set(re.findall(r'(\w+)="([^"]*)"', rest)):
+            total += float(value)
+    return total
 
 
 def free_port() -> int:
@@ -65,15 +80,8 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def metric(self, name: str, labels: str = "") -> float:
-        text = get(self.url + "/metrics")[1]
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + (labels or "")) and not line.startswith("#"):
-                key, value = line.rsplit(" ", 1)
-                if key == name + labels or (not labels and key.startswith(name + "{")) \
-                        or key == name:
-                    total += float(value)
-        return total
+        """The sum of a metric's samples whose labels include ``labels`` ('{a="x",b="y"}')."""
+        return metric_value(get(self.url + "/metrics")[1], name, labels)
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.config import EngineConfig, ModelSpec, ServerConfig
 from tinyserve.engine.engine import EngineInfo
 from tinyserve.engine.tokenizer import Tokenizer
 from tinyserve.messages import SeqOutput, StepPlan, StepResult
@@ -77,14 +77,19 @@ class InProcessServer:
     """A Server on its own event loop thread; ``url`` is where it listens."""
 
     def __init__(self, runner: FakeRunner | None = None, *, max_model_len: int = 128,
-                 num_kv_blocks: int = 512, **cfg) -> None:
-        self.runner = runner or FakeRunner()
+                 num_kv_blocks: int = 512, models: dict[str, FakeRunner] | None = None,
+                 **cfg) -> None:
+        """``models``: several served models by name, each on its own fake runner (default:
+        one, ``stories260k``, on ``runner``)."""
+        self.runners = models or {"stories260k": runner or FakeRunner()}
+        self.runner = next(iter(self.runners.values()))
         engine_keys = {"max_num_seqs", "max_num_batched_tokens", "block_size"}
         ecfg = EngineConfig(**{k: v for k, v in cfg.items() if k in engine_keys})
         scfg = ServerConfig(port=0, **{k: v for k, v in cfg.items() if k not in engine_keys})
-        engine = FakeEngine(self.runner, max_model_len, num_kv_blocks, ecfg.block_size)
+        engines = {name: FakeEngine(r, max_model_len, num_kv_blocks, ecfg.block_size)
+                   for name, r in self.runners.items()}
         self.loop = asyncio.new_event_loop()
-        self.server = Server(scfg, ecfg, engine=engine)
+        self.server = Server(scfg, [ModelSpec(name, ecfg) for name in self.runners], engines)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.call(self._start())
@@ -101,9 +106,11 @@ class InProcessServer:
     def snapshot(self) -> dict:
         """running, waiting, KV usage and requests held, read on the server's own loop."""
         async def read():
-            core = self.server.batcher.core
-            return {"running": core.scheduler.num_running, "waiting": core.scheduler.num_waiting,
-                    "kv_usage": core.kv.usage, "requests": len(core.requests),
+            cores = [b.core for b in self.server.batchers.values()]
+            return {"running": sum(c.scheduler.num_running for c in cores),
+                    "waiting": sum(c.scheduler.num_waiting for c in cores),
+                    "kv_usage": sum(c.kv.usage for c in cores),
+                    "requests": sum(len(c.requests) for c in cores),
                     "live": self.server.ingress.num_live}
         return self.call(read())
 
@@ -116,8 +123,9 @@ class InProcessServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.runner.hang is not None:
-            self.runner.hang.set()  # let a wedged step's thread end
+        for runner in self.runners.values():
+            if runner.hang is not None:
+                runner.hang.set()  # let a wedged step's thread end
         try:
             self.call(self.server.close(), timeout=30)  # (closing twice is harmless)
         finally:

@@ -1,30 +1,34 @@
-"""Admission actor: decides, per request, whether the engine takes it now.
+"""Admission actor: decides, per request, whether and where the engine takes it now.
 
-Rules, in order: the server is unhealthy, not ready or draining -> 503; the tenant is at its
+Rules, in order: the server is unhealthy, not ready or draining -> 503; the model (the one
+ingress routed to) is degraded to level 2+ or down and the tenant is degradable -> its fallback
+model serves it instead (if it has one that is up and fits the request); the model is down ->
+503; the degradation ladder sheds the tenant's priority -> 503; the tenant is at its
 concurrency limit or out of tokens for the minute -> 429 with the Retry-After its bucket needs
-(``quotas.py``); the engine already holds max_num_seqs + max_waiting requests -> 429 with
-Retry-After; else the Submit goes on to the batcher, and only then is the request told
-Accepted (so an Abort that ingress sends after Accepted can never overtake its Submit).
-Every rejection is counted by tenant and reason.
+(``quotas.py``); the model already holds its capacity (max_num_seqs + max_waiting, or the SLO
+controller's smaller limit) -> 429 with Retry-After; else the Submit goes on to that model's
+batcher, and only then is the request told Accepted, naming the model (so an Abort that
+ingress sends after Accepted can never overtake its Submit). Every rejection is counted by
+tenant and reason, every reroute by model, fallback, tenant and reason.
 
-Inbox capacity: ``capacity`` (max_num_seqs + max_waiting). Ingress puts without waiting; a
-full inbox means at least ``capacity`` requests are already ahead of this one, so ingress
-answers 429 + Retry-After right there, exactly as this actor would. Below capacity nobody is
-turned away.
+Inbox capacity: the models' capacities together. Ingress puts without waiting; a full inbox
+means at least that many requests are already ahead of this one, so ingress answers 429 +
+Retry-After right there, exactly as this actor would. Below capacity nobody is turned away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 
 from tinyserve.actors.quotas import TenantQuotas
 from tinyserve.config import TenantConfig
 from tinyserve.core.slo import SloController
-from tinyserve.messages import Accepted, AdmissionRejected, Failed, Submit
+from tinyserve.messages import Accepted, AdmissionRejected, Failed, Rerouted, Submit
 
 log = logging.getLogger(__name__)
 
@@ -37,38 +41,27 @@ def too_many(capacity: int) -> Failed:
                   retry_after=RETRY_AFTER_S)
 
 
-class Admission:
-    def __init__(self, batcher_inbox: asyncio.Queue, pending_aborts: Callable[[], int],
-                 capacity: int, unhealthy: Callable[[], str | None] = lambda: None,
-                 tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),),
-                 emit: Callable[[AdmissionRejected], None] = lambda event: None,
-                 slo: SloController | None = None) -> None:
-        self._batcher_inbox = batcher_inbox
-        self.quotas = TenantQuotas(tenants)
-        self._tenants = {t.name: t for t in tenants}
-        self._lowest = min(t.priority for t in tenants)
-        self._highest = max(t.priority for t in tenants)
-        self.slo = slo or SloController(None, None, capacity)  # read only: the batcher's
-        self._emit = emit
-        self._pending_aborts = pending_aborts  # Aborts sent but not yet taken by the batcher
-        self._unhealthy = unhealthy  # the supervisor's verdict: None, or why not
-        self.capacity = capacity
-        self.inbox: asyncio.Queue[Submit] = asyncio.Queue(maxsize=capacity)
-        self.ready = False  # set once the model is loaded and warmed up
-        self.draining = False  # set on SIGTERM
-        self.num_admitted = 0
-        self.num_released = 0
-        self._charged: dict[int, tuple[str, int]] = {}  # id -> (tenant, max_tokens charged)
+@dataclass(eq=False)
+class Lane:
+    """One served model as admission and ingress see it. Fields with one writer each:
+    ``admitted``/``released`` admission, ``aborts_sent`` ingress, ``down`` the server (on the
+    supervisor's word); the rest is fixed at startup."""
 
-    def release(self, request_id: int, generated: int = 0) -> None:
-        """An accepted request is over for good: its HTTP handler has ended (so its reply
-        queue is gone too); the completion tokens it was charged for and did not generate go
-        back to its tenant's bucket. Called by ingress (and by the server for its warm-up)."""
-        self.num_released += 1
-        charged = self._charged.pop(request_id, None)
-        if charged is not None:
-            tenant, max_tokens = charged
-            self.quotas.release(tenant, max(0, max_tokens - generated))
+    name: str
+    batcher_inbox: asyncio.Queue
+    capacity: int  # max_num_seqs + max_waiting
+    max_model_len: int
+    aborts_received: Callable[[], int] = lambda: 0  # the batcher's count
+    slo: SloController | None = None  # the batcher's; admission reads its limit and level
+    fallback: str | None = None  # --fallback: serves degradable traffic while this one cannot
+    down: str | None = None  # why its steps fail; None while it serves
+    admitted: int = 0
+    released: int = 0
+    aborts_sent: int = 0
+
+    def __post_init__(self) -> None:
+        if self.slo is None:
+            self.slo = SloController(None, None, self.capacity)
 
     def in_system(self) -> int:
         """Requests holding a slot, from acceptance until their handler ends (a slow reader
@@ -78,7 +71,43 @@ class Admission:
         keeps counting until the batcher takes it, so that inbox never holds more than about
         2 * capacity messages (its size: see the batcher).
         """
-        return self.num_admitted - self.num_released + self._pending_aborts()
+        return self.admitted - self.released + self.aborts_sent - self.aborts_received()
+
+
+class Admission:
+    def __init__(self, lanes: Sequence[Lane], unhealthy: Callable[[], str | None] = lambda: None,
+                 tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),),
+                 emit: Callable[[AdmissionRejected | Rerouted], None] = lambda event: None
+                 ) -> None:
+        self.lanes = {lane.name: lane for lane in lanes}
+        self._default = lanes[0]  # a Submit naming no model
+        self.quotas = TenantQuotas(tenants)
+        self._tenants = {t.name: t for t in tenants}
+        self._lowest = min(t.priority for t in tenants)
+        self._highest = max(t.priority for t in tenants)
+        self._emit = emit
+        self._unhealthy = unhealthy  # the supervisor's verdict: None, or why not
+        self.capacity = sum(lane.capacity for lane in lanes)
+        self.inbox: asyncio.Queue[Submit] = asyncio.Queue(maxsize=self.capacity)
+        self.ready = False  # set once the models are loaded and warmed up
+        self.draining = False  # set on SIGTERM
+        # id -> (its lane, tenant charged or None, max_tokens charged)
+        self._held: dict[int, tuple[Lane, str | None, int]] = {}
+
+    def release(self, request_id: int, generated: int = 0) -> None:
+        """An accepted request is over for good: its HTTP handler has ended (so its reply
+        queue is gone too); the completion tokens it was charged for and did not generate go
+        back to its tenant's bucket. Called by ingress (and by the server for its warm-up)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        lane, tenant, max_tokens = held
+        lane.released += 1
+        if tenant is not None:
+            self.quotas.release(tenant, max(0, max_tokens - generated))
+
+    def in_system(self) -> int:
+        return sum(lane.in_system() for lane in self.lanes.values())
 
     async def run(self) -> None:
         while True:
@@ -96,40 +125,57 @@ class Admission:
                    "the server is shutting down" if self.draining else "the model is not ready")
             msg.reply_to.put_nowait(Failed(503, why, retry_after=5.0))
             return
+        lane = self.lanes.get(msg.model, self._default)
         refusal = None
         if not msg.internal:
-            msg, refusal = self._degrade(msg)
+            lane, msg, refusal = self._degrade(lane, msg)
         cost = len(msg.prompt_token_ids) + msg.params.max_tokens
         if refusal is None and not msg.internal:
             refusal = self.quotas.refuse(msg.tenant, cost)
-        limit = min(self.capacity, self.slo.limit)
-        if refusal is None and self.in_system() >= limit:
+        limit = min(lane.capacity, lane.slo.limit)
+        if refusal is None and lane.in_system() >= limit:
             refusal = "capacity", too_many(limit)
         if refusal is not None:
             reason, failed = refusal
             self._emit(AdmissionRejected(msg.tenant, reason))
             msg.reply_to.put_nowait(failed)
             return
-        self._batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see in_system)
-        self.num_admitted += 1
-        if not msg.internal:
-            self.quotas.admit(msg.tenant, cost)
-            self._charged[msg.request_id] = (msg.tenant, msg.params.max_tokens)
-        msg.reply_to.put_nowait(Accepted())
+        lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see in_system)
+        lane.admitted += 1
+        tenant = None if msg.internal else msg.tenant
+        if tenant is not None:
+            self.quotas.admit(tenant, cost)
+        self._held[msg.request_id] = (lane, tenant, msg.params.max_tokens)
+        msg.reply_to.put_nowait(Accepted(lane.name))
 
-    def _degrade(self, msg: Submit) -> tuple[Submit, tuple[str, Failed] | None]:
-        """The degradation ladder (see core/slo.py): shed by priority, cap degradable tenants."""
-        level = self.slo.level
-        if not level:
-            return msg, None
+    def _degrade(self, lane: Lane, msg: Submit
+                 ) -> tuple[Lane, Submit, tuple[str, Failed] | None]:
+        """Fallback and the degradation ladder (see core/slo.py): reroute degradable tenants
+        away from a model that is degraded (level 2+) or down, shed by priority, cap
+        degradable tenants' completions."""
         tenant = self._tenants[msg.tenant]
-        shed = (level >= 3 and tenant.priority < self._highest) or (
-            tenant.priority == self._lowest < self._highest)
+        capped = tenant.degradable and lane.slo.level >= 2
+        why = "down" if lane.down else "degraded" if lane.slo.level >= 2 else None
+        if why and tenant.degradable and lane.fallback is not None:
+            other = self.lanes[lane.fallback]
+            max_tokens = min(msg.params.max_tokens, DEGRADED_MAX_TOKENS) if capped else \
+                msg.params.max_tokens
+            if other.down is None and len(msg.prompt_token_ids) + max_tokens <= other.max_model_len:
+                self._emit(Rerouted(lane.name, other.name, tenant.name, why))
+                lane = other
+                msg = msgspec.structs.replace(msg, model=other.name)
+        if lane.down:
+            return lane, msg, ("unavailable", Failed(
+                503, f"the model {lane.name} is unavailable ({lane.down})", retry_after=5.0))
+        level = lane.slo.level
+        capped = capped or (tenant.degradable and level >= 2)
+        shed = level and ((level >= 3 and tenant.priority < self._highest) or (
+            tenant.priority == self._lowest < self._highest))
         if shed:
-            return msg, ("degraded", Failed(
-                503, f"the server is degraded ({self.slo.reason}): priority {tenant.priority} "
+            return lane, msg, ("degraded", Failed(
+                503, f"the server is degraded ({lane.slo.reason}): priority {tenant.priority} "
                 "requests are shed for now", retry_after=5.0))
-        if level >= 2 and tenant.degradable and msg.params.max_tokens > DEGRADED_MAX_TOKENS:
+        if capped and msg.params.max_tokens > DEGRADED_MAX_TOKENS:
             params = msgspec.structs.replace(msg.params, max_tokens=DEGRADED_MAX_TOKENS)
             msg = msgspec.structs.replace(msg, params=params)
-        return msg, None
+        return lane, msg, None

@@ -1,4 +1,4 @@
-"""Batcher actor: owns every request's state and drives the engine step loop.
+"""Batcher actor: owns every request's state and drives the engine step loop (one per model).
 
 Its inbox takes Submit, Abort, AbortAll and StepResult. Each turn it applies everything
 queued, and if no step is in flight it schedules the next one (continuous batching: running
@@ -55,7 +55,8 @@ def reply(req: Request, msg: Output | Failed) -> None:
 class Batcher:
     def __init__(self, core: EngineCore, executor_inbox: asyncio.Queue, metrics: Metrics,
                  capacity: int, batch_timeout_ms: float = 0.0,
-                 slo: SloController | None = None) -> None:
+                 slo: SloController | None = None, model: str = "") -> None:
+        self.model = model  # the served model whose requests and steps these are
         self.core = core
         # Fed every first token and inter-token gap; admission reads its limit and level.
         self.slo = slo or SloController(None, None, capacity)
@@ -130,7 +131,7 @@ class Batcher:
             if req.first_scheduled is None:
                 req.first_scheduled = now
         self._in_flight = plan
-        self._executor_inbox.put_nowait(plan)  # capacity 1 and nothing in flight: never full
+        self._executor_inbox.put_nowait((self.model, plan))  # a slot per model: never full
 
     # -- messages ----------------------------------------------------------------------------
     def _on_submit(self, msg: Submit) -> None:
@@ -210,7 +211,7 @@ class Batcher:
         ttft = times[0] - arrival if times else None
         itls = tuple(b - a for a, b in zip(times, times[1:]))
         self._metrics.emit(RequestFinished(
-            finish_reason=reason, tenant=seq.tenant,
+            finish_reason=reason, tenant=seq.tenant, model=self.model,
             within_slo=self.slo.met(ttft, itls) if self.slo.enabled else None,
             prompt_tokens=seq.num_prompt_tokens,
             generation_tokens=seq.num_output_tokens,
@@ -226,4 +227,4 @@ class Batcher:
             prompt_tokens_computed=sched.num_prompt_tokens_computed,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             slo_limit=self.slo.limit if self.slo.enabled else 0,
-            degradation_level=self.slo.level))
+            degradation_level=self.slo.level, model=self.model))

@@ -1,10 +1,13 @@
-"""Executor actor: runs each StepPlan on the model in a worker thread.
+"""Executor actor: runs each StepPlan on its model in a worker thread.
 
 The forward pass runs off the event loop, so /health and new requests are answered while a
-step computes. Inbox capacity 1: the batcher keeps at most one step in flight, so a full inbox
-would be a bug, not back-pressure. A step that raises becomes a StepResult with ``error`` set;
-the actor keeps serving. ``busy_since`` and ``consecutive_failures`` are the snapshots the
-supervisor reads to see a wedged device or a failing one.
+step computes. The inbox takes (model name, StepPlan); each model's batcher keeps at most one
+step in flight, so the inbox (one slot per model) is never full, and taking steps in arrival
+order runs the models in turn: a model whose step just ran queues its next one behind the
+others' (round robin over the models with work, one step each). A step that raises becomes a
+StepResult with ``error`` set; the actor keeps serving. ``busy_since`` and ``failures``
+(consecutive failed steps per model) are the snapshots the supervisor reads to see a wedged
+device or a failing model.
 
 The worker is one daemon thread, not a ThreadPoolExecutor: a wedged step never returns, and
 the interpreter joins pool threads at exit, so a wedged pool thread would keep the process
@@ -28,15 +31,16 @@ _STOP = None  # tells the worker thread to end
 
 
 class Executor:
-    def __init__(self, execute: Callable[[StepPlan], StepResult]) -> None:
-        self._execute = execute  # the ModelRunner's execute: owns weights and KV tensors
-        self.outbox: asyncio.Queue | None = None  # the batcher's inbox, wired by the server
-        self.inbox: asyncio.Queue[StepPlan] = asyncio.Queue(maxsize=1)
+    def __init__(self, runners: dict[str, Callable[[StepPlan], StepResult]]) -> None:
+        # Each model's ModelRunner.execute: owns that model's weights and KV tensors.
+        self.runners = runners
+        self.outboxes: dict[str, asyncio.Queue] = {}  # each model's batcher inbox (the server's)
+        self.inbox: asyncio.Queue[tuple[str, StepPlan]] = asyncio.Queue(maxsize=len(runners))
         self.task: asyncio.Task | None = None
         # Set and cleared by the worker thread itself, so cancelling the task cannot hide a
         # step that is still running.
         self.busy_since: float | None = None  # time.monotonic() when the running step began
-        self.consecutive_failures = 0
+        self.failures = dict.fromkeys(runners, 0)  # consecutive failed steps, per model
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._worker, name="tinyserve-step", daemon=True)
 
@@ -51,14 +55,14 @@ class Executor:
 
     def _worker(self) -> None:
         while (job := self._work.get()) is not _STOP:
-            plan, loop, done = job
+            model, plan, loop, done = job
             self.busy_since = time.monotonic()
             try:
-                result = self._execute(plan)
-                self.consecutive_failures = 0
+                result = self.runners[model](plan)
+                self.failures[model] = 0
             except Exception as e:  # a failed step must not take the server down
-                log.exception("step %d failed", plan.step_id)
-                self.consecutive_failures += 1
+                log.exception("%s: step %d failed", model, plan.step_id)
+                self.failures[model] += 1
                 result = StepResult(plan.step_id, (), error=f"{type(e).__name__}: {e}")
             finally:
                 self.busy_since = None
@@ -67,10 +71,10 @@ class Executor:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            plan = await self.inbox.get()
+            model, plan = await self.inbox.get()
             done = loop.create_future()
-            self._work.put((plan, loop, done))
-            await self.outbox.put(await done)
+            self._work.put((model, plan, loop, done))
+            await self.outboxes[model].put(await done)
 
     async def stop(self) -> None:
         if self.task is not None:

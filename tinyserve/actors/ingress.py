@@ -2,9 +2,11 @@
 
 One generate path serves both APIs:
 
-    auth -> parse: decode + bound every field, prompt ids, sampling params (``prompts.py``;
-    400 naming the field) -> submit (admission answers Accepted or 429/503) -> stream SSE, or
-    collect one body
+    auth -> decode -> route (``model`` names a served model or a --route alias; 404 if neither)
+    -> parse with that model's tokenizer: bound every field, prompt ids, sampling params
+    (``prompts.py``; 400 naming the field) -> submit (admission answers Accepted, naming the
+    model that will answer, or 429/503) -> stream SSE, or collect one body; the answering
+    model is in the body's ``model`` and the ``X-Tinyserve-Model`` header
 
 What the answer says is the Shaper's business (``responses.py``); this file moves bytes. Each
 request gets the server's own id; the client's ``X-Request-Id`` is only echoed and logged.
@@ -31,7 +33,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from tinyserve import __version__
-from tinyserve.actors.admission import Admission, too_many
+from tinyserve.actors.admission import Admission, Lane, too_many
 from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
 from tinyserve.config import ServerConfig, TenantConfig
@@ -53,8 +55,11 @@ from tinyserve.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    RouteUpdate,
+    decode_request,
 )
 from tinyserve.responses import ChatShaper, CompletionShaper
+from tinyserve.routing import Router, describe
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +79,9 @@ def _json(obj, status: int = 200) -> web.Response:
 class Backend:
     """What ingress talks to once the model is loaded (until then handlers answer 503)."""
 
-    parser: PromptParser
-    admission: Admission
-    batcher_inbox: asyncio.Queue
+    parsers: dict[str, PromptParser]  # by served model name
+    admission: Admission  # and its lanes: one per model, with that model's batcher inbox
+    router: Router  # ingress is its only writer (POST /admin/routes)
     metrics: Metrics
     supervisor: Supervisor
 
@@ -88,15 +93,15 @@ class _Call:
     rid: int
     replies: asyncio.Queue
     tenant: str
+    lane: Lane | None = None  # the model answering it, once accepted
     generated: int = 0  # completion tokens seen so far (admission refunds the rest)
     accepted: bool = False  # admission forwarded it to the batcher
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
 
 
 class Ingress:
-    def __init__(self, cfg: ServerConfig, model_name: str) -> None:
+    def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.model_name = model_name
         self.backend: Backend | None = None
         self._ids = itertools.count(1)  # the server's request ids (0 is the warm-up's)
         self._live: dict[int, _Call] = {}  # requests with a handler waiting on them
@@ -104,7 +109,6 @@ class Ingress:
         # Bounds the work (and body memory) before admission: waiting handlers hold only
         # their socket, since aiohttp reads a body when asked to.
         self._parsing = asyncio.Semaphore(MAX_PARSING)
-        self.aborts_sent = 0  # read by admission (with the batcher's aborts_received)
 
     @property
     def num_live(self) -> int:
@@ -120,6 +124,8 @@ class Ingress:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/admin/routes", self.get_routes)
+        app.router.add_post("/admin/routes", self.set_routes)
         return app
 
     # -- middleware ----------------------------------------------------------------------------
@@ -169,6 +175,8 @@ class Ingress:
         return _json({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """Readiness, with the degradation status: 200 while serving (``ready`` or
+        ``degraded``, with the worst level and why, and each model's own)."""
         b = self.backend
         if b is None or not b.admission.ready:
             return _json({"status": "loading"}, 503)
@@ -176,10 +184,21 @@ class Ingress:
             return _json({"status": "unhealthy", "reason": b.supervisor.failure}, 503)
         if b.admission.draining:
             return _json({"status": "draining"}, 503)
-        slo = b.admission.slo
-        if slo.level:  # still serving: ready, but say how
-            return _json({"status": "degraded", "level": slo.level, "reason": slo.reason})
-        return _json({"status": "ready", "level": 0, "reason": ""})
+        models, reasons, level = {}, [], 0
+        for lane in b.admission.lanes.values():
+            slo = lane.slo
+            if lane.down:
+                status, why = "down", lane.down
+            else:
+                status, why = ("degraded" if slo.level else "ready"), slo.reason
+            models[lane.name] = {"status": status, "level": slo.level, "reason": why}
+            if status != "ready":
+                level = max(level, slo.level)
+                many = len(b.admission.lanes) > 1
+                reasons.append(f"{lane.name}: {status}, {why}" if many else why)
+        status = "degraded" if reasons else "ready"  # still serving: ready, but say how
+        return _json({"status": status, "level": level, "reason": "; ".join(reasons),
+                      "models": models})
 
     async def metrics(self, request: web.Request) -> web.Response:
         b = self._backend()
@@ -187,8 +206,35 @@ class Ingress:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def models(self, request: web.Request) -> web.Response:
+        """The served models, then the --route aliases (each as long as its shortest target)."""
         self._auth(request)
-        return _json(ModelList([ModelCard(self.model_name, self._backend().parser.max_model_len)]))
+        b = self._backend()
+        cards = [ModelCard(name, p.max_model_len) for name, p in b.parsers.items()]
+        for alias, weights in b.router.routes.items():
+            cards.append(ModelCard(alias, min(b.parsers[n].max_model_len for n, _ in weights)))
+        return _json(ModelList(cards))
+
+    # -- routes (admin) ----------------------------------------------------------------------------
+    async def get_routes(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        b = self._backend()
+        return _json({"routes": b.router.table(), "fallbacks": b.router.fallbacks})
+
+    async def set_routes(self, request: web.Request) -> web.Response:
+        """Change one alias's weights, live: requests already routed keep their model."""
+        tenant = self._admin(request)
+        b = self._backend()
+        upd = decode_request(await self._body(request), RouteUpdate)
+        if upd.alias not in b.router.routes:
+            raise ApiError(404, f"no route named {upd.alias!r} (routes: "
+                           f"{', '.join(b.router.routes) or 'none'})", param="alias")
+        try:
+            old = b.router.set_route(upd.alias, tuple(upd.weights.items()))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="weights") from None
+        log.warning("route %s: %s -> %s (by tenant %s)", upd.alias, describe(old),
+                    describe(b.router.routes[upd.alias]), tenant.name)
+        return _json({"routes": b.router.table(), "fallbacks": b.router.fallbacks})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return _json(openapi_spec(__version__))
@@ -207,13 +253,21 @@ class Ingress:
             raise ApiError(503, f"the server is unhealthy: {b.supervisor.failure}",
                            retry_after=5.0)
         async with self._parsing:
-            req, prompt_ids, params = await b.parser.parse(await self._body(request), kind)
-        shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
-            req, self.model_name, b.parser.tokenizer, params.logprobs is not None)
+            req = decode_request(await self._body(request), kind)
+            # Sticky per user within a tenant, else per tenant: one user sees one version.
+            model = b.router.resolve(req.model, f"{tenant.name}\0{req.user or ''}")
+            if model is None:
+                raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
+                               code="model_not_found")
+            parser = b.parsers[model]
+            prompt_ids, params = await parser.prepare(req)
         call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name)
         self._live[call.rid] = call
         try:
-            await self._submit(b, call, prompt_ids, params, tenant)
+            await self._submit(b, call, prompt_ids, params, tenant, model)
+            answering = call.lane.name
+            shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
+                req, answering, parser.tokenizer, params.logprobs is not None)
             if req.stream:
                 return await self._stream(request, call, shaper)
             outs = []
@@ -223,8 +277,10 @@ class Ingress:
             if sum(len(o.tokens) for o in outs) > OFF_LOOP_LOGPROBS:
                 body = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: msgspec.json.encode(shaper.body(outs)))
-                return web.Response(body=body, content_type="application/json")
-            return _json(shaper.body(outs))
+            else:
+                body = msgspec.json.encode(shaper.body(outs))
+            return web.Response(body=body, content_type="application/json",
+                                headers={"X-Tinyserve-Model": answering})
         finally:
             del self._live[call.rid]
             if not call.done:
@@ -233,9 +289,9 @@ class Ingress:
                 b.admission.release(call.rid, call.generated)
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
-                      params: SamplingParams, tenant: TenantConfig) -> None:
+                      params: SamplingParams, tenant: TenantConfig, model: str) -> None:
         msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies,
-                     tenant.cache_salt, tenant.name, tenant.priority)
+                     tenant.cache_salt, tenant.name, tenant.priority, model)
         try:
             b.admission.inbox.put_nowait(msg)
         except asyncio.QueueFull:  # capacity requests are already ahead of this one
@@ -248,6 +304,7 @@ class Ingress:
             call.done = True
             raise ApiError(first.status, first.message, first.param, retry_after=first.retry_after)
         assert isinstance(first, Accepted)
+        call.lane = b.admission.lanes[first.model]
         call.accepted = True
 
     async def _outputs(self, call: _Call) -> AsyncIterator[Output]:
@@ -267,7 +324,7 @@ class Ingress:
                       shaper: ChatShaper | CompletionShaper) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": request[CLIENT_ID]})
+            "X-Request-Id": request[CLIENT_ID], "X-Tinyserve-Model": call.lane.name})
         await resp.prepare(request)
 
         async def send(obj) -> None:
@@ -294,7 +351,7 @@ class Ingress:
     # -- client gone, server failing -------------------------------------------------------------
     def _abort(self, b: Backend, call: _Call) -> None:
         if call.accepted:
-            self._send_abort(b, call.rid)
+            self._send_abort(call.lane, call.rid)
             return
         task = asyncio.get_running_loop().create_task(self._abort_once_decided(b, call))
         self._orphans.add(task)
@@ -302,31 +359,36 @@ class Ingress:
 
     async def _abort_once_decided(self, b: Backend, call: _Call) -> None:
         """The client left before admission decided: if it accepts, abort right behind."""
-        if isinstance(await call.replies.get(), Accepted):
-            self._send_abort(b, call.rid)
+        first = await call.replies.get()
+        if isinstance(first, Accepted):
+            self._send_abort(b.admission.lanes[first.model], call.rid)
             b.admission.release(call.rid)
 
-    def _send_abort(self, b: Backend, rid: int) -> None:
+    def _send_abort(self, lane: Lane, rid: int) -> None:
         try:
-            b.batcher_inbox.put_nowait(Abort(rid))
-            self.aborts_sent += 1
-        except asyncio.QueueFull:  # sized so it cannot be (see Admission.in_system)
+            lane.batcher_inbox.put_nowait(Abort(rid))
+            lane.aborts_sent += 1
+        except asyncio.QueueFull:  # sized so it cannot be (see Lane.in_system)
             log.error("batcher inbox full: request %d could not be aborted", rid)
 
-    def fail_all(self, status: int, message: str) -> None:
-        """Answer every pending request with this error now (the supervisor's last resort)."""
-        for task in self._orphans:
-            task.cancel()
+    def fail_all(self, status: int, message: str, model: str | None = None) -> None:
+        """Answer every pending request (of one model, if given) with this error now: the
+        supervisor's last resort, or a model that went down."""
+        if model is None:
+            for task in self._orphans:
+                task.cancel()
         failed = Failed(status, message, retry_after=5.0)
         for call in self._live.values():
+            if model is not None and (call.lane is None or call.lane.name != model):
+                continue  # (one not yet accepted: admission sends it elsewhere or refuses it)
             while True:  # the reader only needs the error: drop output it has not read yet
                 try:
                     call.replies.put_nowait(failed)
                     break
                 except asyncio.QueueFull:
                     call.replies.get_nowait()
-            if call.accepted and self.backend is not None:  # a live batcher may still run it
-                self._send_abort(self.backend, call.rid)
+            if call.accepted:  # a live batcher may still run it
+                self._send_abort(call.lane, call.rid)
 
     # -- checks ----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> TenantConfig:
@@ -345,6 +407,13 @@ class Ingress:
             raise ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer "
                            "<key>')", code="invalid_api_key")
         return found
+
+    def _admin(self, request: web.Request) -> TenantConfig:
+        tenant = self._auth(request)
+        if not tenant.admin:
+            raise ApiError(403, f"tenant {tenant.name} may not change routes (admin = true in "
+                           "the tenants file)", code="permission_denied")
+        return tenant
 
     @staticmethod
     async def _body(request: web.Request) -> bytes:

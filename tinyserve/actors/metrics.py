@@ -1,6 +1,7 @@
 """Metrics actor: owns the Prometheus registry; other actors send it events.
 
-Names follow vLLM's (``vllm:`` -> ``tinyserve:``) so dashboards and routers map one to one.
+Names follow vLLM's (``vllm:`` -> ``tinyserve:``) so dashboards and routers map one to one;
+every series about a model's work carries its name as the label ``model``.
 Events are sent with ``emit`` (never blocks: a full inbox drops the event and counts it), so
 observability can never stall the data path. Counters are fed cumulative totals and
 turned into increments here, so a dropped StepStats loses nothing.
@@ -13,7 +14,13 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from tinyserve.messages import AdmissionRejected, RequestFailed, RequestFinished, StepStats
+from tinyserve.messages import (
+    AdmissionRejected,
+    RequestFailed,
+    RequestFinished,
+    Rerouted,
+    StepStats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,63 +50,84 @@ class Metrics:
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_size)
         tb = token_buckets(max_model_len)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS, registry=r)
+                              buckets=TTFT_BUCKETS,
+                              labelnames=["model"], registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens",
-                             buckets=ITL_BUCKETS, registry=r)
+                             buckets=ITL_BUCKETS,
+                              labelnames=["model"], registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=E2E_BUCKETS, registry=r)
+                             buckets=E2E_BUCKETS,
+                              labelnames=["model"], registry=r)
         self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling",
-                               buckets=TTFT_BUCKETS, registry=r)
+                               buckets=TTFT_BUCKETS,
+                              labelnames=["model"], registry=r)
         self.prompt_hist = Histogram(P + "request_prompt_tokens", "Prompt tokens per request",
-                                     buckets=tb, registry=r)
+                                     buckets=tb,
+                              labelnames=["model"], registry=r)
         self.gen_hist = Histogram(P + "request_generation_tokens", "Output tokens per request",
-                                  buckets=tb, registry=r)
+                                  buckets=tb,
+                              labelnames=["model"], registry=r)
         self.iter_tokens = Histogram(P + "iteration_tokens", "Tokens computed per step",
-                                     buckets=token_buckets(max_num_batched_tokens), registry=r)
+                                     buckets=token_buckets(max_num_batched_tokens),
+                              labelnames=["model"], registry=r)
         self.running = Gauge(P + "num_requests_running", "Requests in the running batch",
-                             registry=r)
-        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting to run", registry=r)
+                             labelnames=["model"], registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting to run",
+                              labelnames=["model"], registry=r)
         self.kv_usage = Gauge(P + "kv_cache_usage_perc",
                               "KV blocks referenced by live requests (0-1); cached but "
-                              "unreferenced blocks count as free", registry=r)
-        self.cache_info = Info(P + "cache_config", "KV cache configuration", registry=r)
+                              "unreferenced blocks count as free",
+                              labelnames=["model"], registry=r)
+        self.cache_info = Info(P + "cache_config", "KV cache configuration",
+                              labelnames=["model"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=r)
-        self.gen_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=r)
+                                     labelnames=["model"], registry=r)
+        self.gen_tokens = Counter(P + "generation_tokens", "Generated tokens",
+                              labelnames=["model"], registry=r)
         self.prefix_queries = Counter(P + "prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache", registry=r)
+                                      "Prompt tokens looked up in the prefix cache",
+                              labelnames=["model"], registry=r)
         self.prefix_hits = Counter(P + "prefix_cache_hits",
-                                   "Prompt tokens served by the prefix cache", registry=r)
+                                   "Prompt tokens served by the prefix cache",
+                              labelnames=["model"], registry=r)
         self.prompt_computed = Counter(P + "prompt_tokens_computed",
                                        "Prompt tokens run through the model (prefix-cache hits "
                                        "excluded, recomputes after preemption included)",
-                                       registry=r)
-        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted", registry=r)
+                                       labelnames=["model"], registry=r)
+        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted",
+                              labelnames=["model"], registry=r)
         self.success = Counter(P + "request_success", "Finished requests",
-                               ["finished_reason"], registry=r)
+                               ["model", "finished_reason"], registry=r)
         self.errors = Counter(P + "request_errors", "Requests answered with an error",
                               ["code"], registry=r)
         self.degradation = Gauge(P + "degradation_level",
                                  "0 normal; 1 shedding the lowest priority; 2 and capping "
-                                 "degradable tenants; 3 only the highest priority", registry=r)
+                                 "degradable tenants; 3 only the highest priority",
+                              labelnames=["model"], registry=r)
         self.slo_limit = Gauge(P + "slo_limit", "Requests the SLO controller lets the server "
-                               "hold (running + waiting); 0 without --slo-*", registry=r)
+                               "hold (running + waiting); 0 without --slo-*",
+                              labelnames=["model"], registry=r)
         self.goodput = Counter(P + "request_goodput", "Requests finished within the SLO "
-                               "(TTFT and mean ITL under their targets)", ["tenant"], registry=r)
+                               "(TTFT and mean ITL under their targets)", ["model", "tenant"],
+                               registry=r)
         self.rejections = Counter(P + "admission_rejections",
                                   "Requests turned away by admission (429/400), by tenant and "
                                   "reason: concurrency, tokens (per-minute bucket), capacity",
                                   ["tenant", "reason"], registry=r)
+        self.fallbacks = Counter(P + "fallback_requests", "Degradable requests for a model served "
+                                 "by its fallback, by reason: degraded (SLO ladder level 2+) or "
+                                 "down (its steps fail)", ["model", "fallback", "tenant", "reason"],
+                                 registry=r)
         self.dropped = Counter(P + "metrics_events_dropped", "Metric events dropped (full inbox)",
                                registry=r)
-        self._totals = {"preemptions": 0, "prompt_tokens_computed": 0, "prefix_queries": 0,
-                        "prefix_hits": 0}
+        self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
 
-    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
-        self.cache_info.info({"block_size": str(block_size), "num_blocks": str(num_blocks)})
+    def set_cache_config(self, model: str, block_size: int, num_blocks: int) -> None:
+        self.cache_info.labels(model=model).info({"block_size": str(block_size),
+                                                  "num_blocks": str(num_blocks)})
 
     def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected
-             ) -> None:
+             | Rerouted) -> None:
         try:
             self.inbox.put_nowait(event)
         except asyncio.QueueFull:
@@ -122,44 +150,49 @@ class Metrics:
         try:
             match ev:
                 case StepStats():
+                    m = ev.model
                     if ev.num_tokens:
-                        self.iter_tokens.observe(ev.num_tokens)
-                    self.running.set(ev.num_running)
-                    self.waiting.set(ev.num_waiting)
-                    self.kv_usage.set(ev.kv_usage)
-                    self.slo_limit.set(ev.slo_limit)
-                    self.degradation.set(ev.degradation_level)
-                    self._advance(self.preemptions, "preemptions", ev.preemptions)
-                    self._advance(self.prompt_computed, "prompt_tokens_computed",
+                        self.iter_tokens.labels(m).observe(ev.num_tokens)
+                    self.running.labels(m).set(ev.num_running)
+                    self.waiting.labels(m).set(ev.num_waiting)
+                    self.kv_usage.labels(m).set(ev.kv_usage)
+                    self.slo_limit.labels(m).set(ev.slo_limit)
+                    self.degradation.labels(m).set(ev.degradation_level)
+                    self._advance(self.preemptions, m, "preemptions", ev.preemptions)
+                    self._advance(self.prompt_computed, m, "prompt_tokens_computed",
                                   ev.prompt_tokens_computed)
-                    self._advance(self.prefix_queries, "prefix_queries", ev.prefix_queries)
-                    self._advance(self.prefix_hits, "prefix_hits", ev.prefix_hits)
+                    self._advance(self.prefix_queries, m, "prefix_queries", ev.prefix_queries)
+                    self._advance(self.prefix_hits, m, "prefix_hits", ev.prefix_hits)
                 case RequestFinished():
-                    self.success.labels(finished_reason=ev.finish_reason).inc()
+                    m = ev.model
+                    self.success.labels(m, ev.finish_reason).inc()
                     if ev.within_slo:
-                        self.goodput.labels(tenant=ev.tenant).inc()
-                    self.prompt_tokens.inc(ev.prompt_tokens)
-                    self.gen_tokens.inc(ev.generation_tokens)
-                    self.prompt_hist.observe(ev.prompt_tokens)
-                    self.gen_hist.observe(ev.generation_tokens)
-                    self.e2e.observe(ev.e2e_seconds)
+                        self.goodput.labels(m, ev.tenant).inc()
+                    self.prompt_tokens.labels(m).inc(ev.prompt_tokens)
+                    self.gen_tokens.labels(m).inc(ev.generation_tokens)
+                    self.prompt_hist.labels(m).observe(ev.prompt_tokens)
+                    self.gen_hist.labels(m).observe(ev.generation_tokens)
+                    self.e2e.labels(m).observe(ev.e2e_seconds)
                     if ev.queue_seconds is not None:
-                        self.queue.observe(ev.queue_seconds)
+                        self.queue.labels(m).observe(ev.queue_seconds)
                     if ev.ttft_seconds is not None:
-                        self.ttft.observe(ev.ttft_seconds)
+                        self.ttft.labels(m).observe(ev.ttft_seconds)
+                    itl = self.itl.labels(m)
                     for gap in ev.itl_seconds:
-                        self.itl.observe(gap)
+                        itl.observe(gap)
                 case RequestFailed():
                     self.errors.labels(code=ev.code).inc()
                 case AdmissionRejected():
                     self.rejections.labels(tenant=ev.tenant, reason=ev.reason).inc()
+                case Rerouted():
+                    self.fallbacks.labels(ev.model, ev.fallback, ev.tenant, ev.reason).inc()
                 case _:
                     log.warning("metrics: unknown event %r", ev)
         except Exception:  # a bad event is logged; the actor keeps running
             log.exception("metrics: failed to apply %r", ev)
 
-    def _advance(self, counter: Counter, key: str, total: int) -> None:
-        delta = total - self._totals[key]
-        if delta > 0:
-            counter.inc(delta)
-            self._totals[key] = total
+    def _advance(self, counter: Counter, model: str, key: str, total: int) -> None:
+        last = self._totals.get((model, key), 0)
+        if total > last:
+            counter.labels(model).inc(total - last)
+            self._totals[model, key] = total

@@ -115,12 +115,13 @@ class Engine:
             return cfg.kv_cache_memory // per_block
         want = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # every seq at full length
         if self.device == "cpu":
-            return max(1, min(want, CPU_KV_BUDGET // per_block))
+            return max(1, min(want, int(CPU_KV_BUDGET * cfg.kv_share) // per_block))
         free, _ = torch.cuda.mem_get_info()
+        free = max(0, free - cfg.kv_reserve_bytes)
         # Leave room for one step's activations: per batched token a few hidden-size buffers,
         # the fused qkv and gate/up outputs; per sequence a row of fp32 logits.
         per_token = (6 * mcfg.hidden_size + 3 * mcfg.intermediate_size
                      + (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim) * itemsize
         activations = cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * mcfg.vocab_size * 4
-        budget = int(free * cfg.gpu_memory_utilization) - 2 * activations
+        budget = int(free * cfg.gpu_memory_utilization * cfg.kv_share) - 2 * activations
         return max(1, min(want, budget // per_block))

@@ -5,6 +5,7 @@ Pure Python plus the ``tokenizers`` extension: the control plane uses it without
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -50,6 +51,11 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         self.chat_template: str | None = template
+        # Models with one fingerprint turn a request into the same prompt ids: a fallback may
+        # serve the prompt another model's tokenizer made.
+        self.fingerprint = hashlib.sha256(b"\0".join((
+            path.read_bytes(), (template or "").encode(), str(self.bos_token).encode(),
+            str(self.add_bos_token).encode()))).hexdigest()[:16]
         self._compiled_template = None
         self._token_text: dict[int, str] = {}
         self.special_ids = frozenset(

@@ -1,0 +1,96 @@
+"""Model routing: which served model answers a request's ``model``.
+
+A request names a served model, or an alias set up with ``--route ALIAS=NAME:WEIGHT,...``
+(a gray release). An alias splits its traffic by weight, sticky per key (the request's
+``user``, else its tenant): the key hashes to a point in [0, 1), and the targets own
+consecutive slices of that interval in the order they were given. One key therefore always
+lands on one model while the weights stand, and a weight change moves only the keys whose
+point changes slices (90/10 -> 80/20 moves a tenth of the users, all from the first to the
+second).
+
+The route table is owned by ingress (the only writer: ``POST /admin/routes``); a change is
+one dict assignment on the event loop, so a request is routed by the old table or the new one,
+never half of each, and requests already routed keep their model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+Weights = tuple[tuple[str, float], ...]
+
+
+def sticky_point(alias: str, key: str) -> float:
+    """Where a key lands on [0, 1) for one alias (independent across aliases)."""
+    digest = hashlib.blake2b(f"{alias}\0{key}".encode("utf-8", "surrogatepass"),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def check_weights(alias: str, weights: Weights, models: Iterable[str]) -> Weights:
+    """The weights, if they are a valid split over served models (else ValueError)."""
+    known = set(models)
+    if not weights:
+        raise ValueError(f"route {alias}: no targets")
+    names = [n for n, _ in weights]
+    if len(set(names)) != len(names):
+        raise ValueError(f"route {alias}: a model is listed twice")
+    for name, w in weights:
+        if name not in known:
+            raise ValueError(f"route {alias}: {name!r} is not a served model "
+                             f"(served: {', '.join(sorted(known))})")
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < float("inf")):
+            raise ValueError(f"route {alias}: the weight of {name} must be a number >= 0")
+    if not sum(w for _, w in weights) > 0:
+        raise ValueError(f"route {alias}: the weights must not all be 0")
+    return tuple((n, float(w)) for n, w in weights)
+
+
+class Router:
+    def __init__(self, models: Iterable[str], routes: Iterable[tuple[str, Weights]] = (),
+                 fallbacks: Iterable[tuple[str, str]] = ()) -> None:
+        self.models = tuple(models)
+        self.routes: dict[str, Weights] = {}
+        for alias, weights in routes:
+            if alias in self.models or alias in self.routes:
+                raise ValueError(f"route {alias}: the name is already a model or a route")
+            self.routes[alias] = check_weights(alias, weights, self.models)
+        self.fallbacks: dict[str, str] = {}
+        for name, other in fallbacks:
+            if name not in self.models or other not in self.models:
+                raise ValueError(f"fallback {name}={other}: both must be served models "
+                                 f"(served: {', '.join(self.models)})")
+            if name == other or name in self.fallbacks:
+                raise ValueError(f"fallback {name}={other}: one other model per model")
+            self.fallbacks[name] = other
+
+    def resolve(self, name: str, key: str) -> str | None:
+        """The served model for a request's ``model``; None if it names nothing served."""
+        if name in self.models:
+            return name
+        weights = self.routes.get(name)
+        if weights is None:
+            return None
+        total = sum(w for _, w in weights)
+        point = sticky_point(name, key) * total
+        for target, w in weights:
+            if point < w:
+                return target
+            point -= w
+        return next(t for t, w in reversed(weights) if w > 0)  # rounding at the very top
+
+    def set_route(self, alias: str, weights: Weights) -> Weights:
+        """Replace an alias's weights (live); returns the old ones."""
+        if alias not in self.routes:
+            raise KeyError(alias)
+        old = self.routes[alias]
+        self.routes[alias] = check_weights(alias, weights, self.models)
+        return old
+
+    def table(self) -> dict[str, dict[str, float]]:
+        return {alias: dict(w) for alias, w in self.routes.items()}
+
+
+def describe(weights: Weights) -> str:
+    return ",".join(f"{n}:{w:g}" for n, w in weights)
