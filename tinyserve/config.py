@@ -157,11 +157,11 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
             except ValueError:
                 raise ValueError(f"model {name}: max_model_len must be an integer") from None
         if base.num_kv_blocks is not None:
-            fields["num_kv_blocks"] = max(1, int(base.num_kv_blocks * share))
+            fields["num_kv_blocks"] = max(1, int(base.num_kv_blocks * share + 1e-9))
         elif base.kv_cache_memory is not None:
-            fields["kv_cache_memory"] = max(1, int(base.kv_cache_memory * share))
+            fields["kv_cache_memory"] = max(1, int(base.kv_cache_memory * share + 1e-9))
         else:
-            fields["kv_share"] = min(1.0, share / sum(resolved[i:]))
+            fields["kv_share"] = min(1.0, share / (1 - sum(resolved[:i])))
             fields["kv_reserve_bytes"] = sum(_weight_bytes(p, o) for _, p, o in specs[i + 1:])
         out.append(ModelSpec(name, dataclasses.replace(base, **fields)))
     return tuple(out)

@@ -25,7 +25,7 @@ def sticky_point(alias: str, key: str) -> float:
     """Where a key lands on [0, 1) for one alias (independent across aliases)."""
     digest = hashlib.blake2b(f"{alias}\0{key}".encode("utf-8", "surrogatepass"),
                              digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
+    return (int.from_bytes(digest, "big") >> 11) / 2**53  # 53 bits: exact, never 1.0
 
 
 def check_weights(alias: str, weights: Weights, models: Iterable[str]) -> Weights:
