@@ -52,3 +52,50 @@ def test_demo_flag_serves_the_random_weight_model(tmp_path):
         assert "random weights" in srv.log().lower()
     finally:
         assert srv.stop() == 0
+
+
+def test_two_models_stories260k_and_its_int8_variant_behind_a_route(tmp_path):
+    """Acceptance (issue 7): the bundled model and its int8 variant served side by side, a
+    route splitting an alias between them (sticky per user), a fallback from one to the other;
+    each model answers under its own name and has its own metrics."""
+    from tinyserve.routing import Router
+
+    srv = ServerProcess("--model", "fp=stories260k", "--model", "q8=stories260k,quantization=int8",
+                        "--route", "chat=fp:50,q8:50", "--fallback", "fp=q8",
+                        log_path=tmp_path / "two.log", model=None)
+    try:
+        models = json.loads(get(srv.url + "/v1/models")[1])
+        assert [m["id"] for m in models["data"]] == ["fp", "q8", "chat"]
+        prompt = {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}
+        status, body, headers = run(post(srv.url, "/v1/completions", {"model": "fp", **prompt}))
+        assert status == 200 and body["choices"][0]["text"] == ", there was a little"
+        assert headers["X-Tinyserve-Model"] == "fp" and body["model"] == "fp"
+        status, body, headers = run(post(srv.url, "/v1/completions", {"model": "q8", **prompt}))
+        assert status == 200 and body["usage"]["completion_tokens"] == 5
+        assert headers["X-Tinyserve-Model"] == "q8" and body["model"] == "q8"
+        # Two users the route sends to different versions, each answered by its own.
+        router = Router(["fp", "q8"], [("chat", (("fp", 50.0), ("q8", 50.0)))])
+        users = {}
+        for i in range(64):
+            users.setdefault(router.resolve("chat", f"default\0user-{i}"), f"user-{i}")
+        for model, user in users.items():
+            for _ in range(2):
+                status, body, headers = run(post(srv.url, "/v1/completions", {
+                    "model": "chat", "user": user, **prompt}))
+                assert status == 200 and headers["X-Tinyserve-Model"] == model == body["model"]
+        for model in ("fp", "q8"):
+            assert srv.metric("tinyserve:request_success_total", f'{{model="{model}"}}') == 3
+        assert "route chat: fp:50,q8:50" in srv.log() and "fallback fp -> q8" in srv.log()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_bad_routes_and_model_lists_are_clear_errors():
+    for args, needle in [(["--route", "chat=zz:1"], "not a served model"),
+                         (["--fallback", "stories260k=stories260k"], "fallback"),
+                         (["--model", "a=stories260k", "--model", "a=stories260k"], "two models"),
+                         (["--model", "a=stories260k,kv_share=2"], "kv_share"),
+                         (["--model", "a=stories260k,colour=red"], "unknown option")]:
+        out = subprocess.run([sys.executable, "-m", "tinyserve", *args], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 2 and needle in out.stderr, (args, out.stderr)

@@ -18,8 +18,8 @@ A limit that cannot go lower, or 3 violated windows in a row, escalate the degra
 
     0 normal
     1 shed the lowest priority: its new requests get 503 + Retry-After
-    2 also cap degradable tenants' max_tokens (and route them to a fallback model, once
-      several models are served)
+    2 also send degradable tenants to the model's fallback (--fallback) and cap their
+      max_tokens
     3 admit only the highest priority
 
 Pure Python with an injectable clock, so it is tested without a server.
@@ -36,7 +36,7 @@ COMFORT = 0.8  # a P95 under this share of its target counts as comfortable
 STREAK = 3  # windows in a row before the level moves
 MAX_LEVEL = 3
 LEVEL_NAMES = ("normal", "shedding the lowest priority",
-               "shedding the lowest priority, degradable tenants capped",
+               "shedding the lowest priority, degradable tenants to the fallback and capped",
                "only the highest priority admitted")
 
 
