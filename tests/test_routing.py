@@ -301,13 +301,13 @@ def test_resolved_model(elsewhere):
 def test_kv_split_by_blocks():
     specs = build_models(EngineConfig(num_kv_blocks=100), ["a=D,kv_share=0.25", "b=D"])
     assert [s.engine.num_kv_blocks for s in specs] == [25, 75]
-    assert all(s.engine.kv_cache_memory is None and s.engine.kv_share == 1.0 for s in specs)
+    assert all(s.engine.kv_cache_memory is None for s in specs)
 
 
 def test_kv_split_by_bytes():
     specs = build_models(EngineConfig(kv_cache_memory=1000), ["a=D,kv_share=0.25", "b=D"])
     assert [s.engine.kv_cache_memory for s in specs] == [250, 750]
-    assert all(s.engine.num_kv_blocks is None and s.engine.kv_share == 1.0 for s in specs)
+    assert all(s.engine.num_kv_blocks is None for s in specs)
 
 
 def test_kv_split_equal_without_shares():
@@ -323,15 +323,21 @@ def test_kv_split_by_blocks_does_not_lose_a_block_to_float_rounding():
 
 def test_kv_split_from_free_memory_is_share_of_what_is_left():
     specs = build_models(EngineConfig(), ["a=D,kv_share=0.25", "b=D"])
-    assert specs[0].engine.kv_share == 0.25
-    assert specs[1].engine.kv_share == 1.0
+    assert [s.engine.kv_share for s in specs] == [0.25, 0.75]  # of the budget (the CPU's)
+    assert [s.engine.kv_share_of_free for s in specs] == [0.25, 1.0]  # of free GPU memory
     assert all(s.engine.num_kv_blocks is None and s.engine.kv_cache_memory is None for s in specs)
     # Shares below 1 in all stay what they say: each model's share of the whole budget.
     specs = build_models(EngineConfig(), ["a=D,kv_share=0.25", "b=D,kv_share=0.25"])
-    assert [s.engine.kv_share for s in specs] == [0.25, pytest.approx(1 / 3)]
+    assert [s.engine.kv_share for s in specs] == [0.25, 0.25]
+    assert [s.engine.kv_share_of_free for s in specs] == [0.25, pytest.approx(1 / 3)]
     specs = build_models(EngineConfig(), ["a=D", "b=D", "c=D", "d=D"])
+    assert [s.engine.kv_share for s in specs] == pytest.approx([1 / 4] * 4)
     # a takes 1/4 of all, b 1/3 of the 3/4 left, c half of the rest, d all that remains.
-    assert [s.engine.kv_share for s in specs] == pytest.approx([1 / 4, 1 / 3, 1 / 2, 1.0])
+    assert [s.engine.kv_share_of_free for s in specs] == pytest.approx([1 / 4, 1 / 3, 1 / 2, 1.0])
+    # Shares that sum to 1 but for rounding never divide by (almost) nothing.
+    specs = build_models(EngineConfig(), ["a=D,kv_share=0.5", "b=D,kv_share=0.5",
+                                          "c=D,kv_share=1e-10"])
+    assert all(0 < s.engine.kv_share_of_free <= 1 for s in specs)
 
 
 def test_kv_reserve_bytes_counts_later_models_weights(tmp_path):
@@ -369,7 +375,6 @@ def test_bad_kv_shares_are_refused(base, args):
     pytest.param(["a=/d1", "a=/d2"], None, id="duplicate-name"),
     pytest.param(["/x/m", "/y/m"], None, id="duplicate-dir-basename"),
     pytest.param(["a=/d1", "b=/d2"], "foo", id="served-name-with-two-models"),
-    pytest.param(["/x/bad name"], None, id="invalid-name-from-dir"),
     pytest.param(["a=/d,quantization=int4"], None, id="bad-quantization"),
     pytest.param(["a=/d,max_model_len=long"], None, id="bad-max-model-len"),
     pytest.param(["a=/d,max_model_len=0"], None, id="zero-max-model-len"),
@@ -380,6 +385,11 @@ def test_build_models_refuses(args, served):
 
 
 def test_served_model_name():
+    # Names from a directory or --served-model-name are taken as given (org/model included);
+    # only NAME= prefixes are checked.
+    specs = build_models(EngineConfig(), ["/some/dir"], served_model_name="meta-llama/Llama-3")
+    assert [s.name for s in specs] == ["meta-llama/Llama-3"]
+    assert [s.name for s in build_models(EngineConfig(), ["/x/bad name"])] == ["bad name"]
     specs = build_models(EngineConfig(), ["/some/dir"], served_model_name="foo")
     assert [(s.name, s.engine.model) for s in specs] == [("foo", "/some/dir")]
     assert [s.name for s in build_models(EngineConfig(), [], served_model_name="foo")] == ["foo"]
@@ -425,3 +435,29 @@ def test_parse_fallback():
 def test_parse_fallback_refuses(text):
     with pytest.raises(ValueError):
         parse_fallback(text)
+
+
+def test_set_route_keeps_the_target_order_whatever_order_the_weights_come_in():
+    router = Router(["a", "b"], [("chat", (("a", 50.0), ("b", 50.0)))])
+    keys = [f"t\0u{i}" for i in range(2000)]
+    before = [router.resolve("chat", k) for k in keys]
+    router.set_route("chat", (("b", 50.0), ("a", 50.0)))  # same weights, listed the other way
+    assert [router.resolve("chat", k) for k in keys] == before
+
+
+@pytest.mark.parametrize("weights", [(("a", 1e308), ("b", 1e308)), (("a", 5e-324), ("b", 1.0)),
+                                     (("a", 1e10), ("b", 1.0))])
+def test_weights_out_of_the_exact_range_are_refused(weights):
+    with pytest.raises(ValueError, match="0 or a number"):
+        check_weights("chat", weights, ["a", "b"])
+
+
+def test_a_down_target_gives_its_share_to_the_others_and_gets_it_back():
+    router = Router(["a", "b", "c"], [("chat", (("a", 50.0), ("b", 30.0), ("c", 20.0)))])
+    keys = [f"t\0u{i}" for i in range(2000)]
+    before = [router.resolve("chat", k) for k in keys]
+    during = [router.resolve("chat", k, {"a"}) for k in keys]
+    assert "a" not in during and {"b", "c"} <= set(during)
+    assert all(d == b for b, d in zip(before, during, strict=True) if b != "a")  # others stay
+    assert [router.resolve("chat", k) for k in keys] == before
+    assert {router.resolve("chat", k, {"a", "b", "c"}) for k in keys} == set(before)  # all down

@@ -80,3 +80,46 @@ def test_itl_target_and_per_request_goodput():
     both = SloController(ttft_s=1.0, itl_s=0.05, max_limit=10, clock=clock)
     assert both.met(0.5, (0.04, 0.06))  # the mean ITL counts
     assert not both.met(1.5, (0.01,)) and not both.met(None, ())
+
+
+def test_refusing_for_capacity_climbs_the_ladder_even_with_latency_in_target():
+    """Overload that the limit alone absorbs (every TTFT fine, but requests turned away)
+    escalates after 3 such windows; de-escalation needs 3 calm windows at the full limit."""
+    clock, refused = Clock(), [0]
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=8, clock=clock,
+                        pressure=lambda: refused[0])
+    for _ in range(2):
+        refused[0] += 5
+        window(slo, clock, ttft=0.1)
+    assert slo.level == 0
+    refused[0] += 1
+    window(slo, clock, ttft=0.1)
+    assert slo.level == 1 and "capacity" in slo.reason and slo.limit == 8
+    for _ in range(3):
+        refused[0] += 1
+        window(slo, clock, ttft=0.1)
+    assert slo.level == 2
+    refused[0] += 1
+    window(slo, clock, ttft=0.3)  # neither comfortable nor violated, still refusing: the streak goes on
+    for _ in range(2):
+        window(slo, clock, ttft=0.1)  # calm
+    assert slo.level == 2
+    window(slo, clock, ttft=0.1)
+    assert slo.level == 1  # 3 calm windows at the full limit
+    clock.t += 1
+    refused[0] += 3
+    assert slo.tick() is not None  # refusals without a first token are still evidence
+
+
+def test_idle_windows_are_calm_busy_windows_without_samples_are_not():
+    clock = Clock()
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=8, clock=clock)
+    slo._set_level(2, "test")
+    for _ in range(3):
+        clock.t += slo.window_s
+        assert slo.tick(idle=False) is None  # busy, no first token: no evidence
+    assert slo.level == 2
+    for _ in range(3):
+        clock.t += slo.window_s
+        assert slo.tick(idle=True) is not None
+    assert slo.level == 1

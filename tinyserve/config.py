@@ -33,10 +33,11 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output limit; None: the model's own
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds unseeded requests, reproducibly per engine
-    # Several models in one process (the server sets these; see ModelSpec): with the KV size
-    # sized from free memory, the share of it this model takes (of what is left when it loads)
-    # and the bytes to leave for the weights of the models loaded after it.
+    # Several models in one process (build_models sets these): this model's share of the KV
+    # budget; sized from free GPU memory, the share of what is free when it loads that it
+    # takes, and the bytes to leave for the weights of the models loaded after it.
     kv_share: float = 1.0
+    kv_share_of_free: float = 1.0
     kv_reserve_bytes: int = 0
 
     @property
@@ -67,7 +68,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("num_kv_blocks and kv_cache_memory are exclusive: give one")
-        if not 0.0 < self.kv_share <= 1.0:
+        if not (0.0 < self.kv_share <= 1.0 and 0.0 < self.kv_share_of_free <= 1.0):
             raise ValueError(f"kv_share must be in (0, 1], got {self.kv_share}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
@@ -94,7 +95,7 @@ def parse_model_arg(text: str) -> tuple[str | None, str, dict[str, str]]:
     quantization (int8), kv_share (0-1: this model's share of the KV budget) and
     max_model_len. DIR ``stories260k`` is the bundled model."""
     name, sep, rest = text.partition("=")
-    if not sep or "/" in name or not _NAME.match(name):
+    if not sep or "/" in name or not _NAME.match(name) or Path(text).exists():
         return None, text, {}  # a bare directory (which may itself contain '=' or ',')
     path, *opts = rest.split(",")
     options = {}
@@ -124,10 +125,8 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
     if served_model_name and len(parsed) > 1:
         raise ValueError("--served-model-name names one model; with several, use --model NAME=DIR")
     specs: list[tuple[str, str, dict[str, str]]] = []
-    for name, path, options in parsed:
+    for name, path, options in parsed:  # (NAME= is checked; any other name is as given)
         name = name or served_model_name or Path(path).name
-        if not _NAME.match(name):
-            raise ValueError(f"model name {name!r}: use letters, digits and . _ : -")
         specs.append((name, path, options))
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
@@ -148,7 +147,8 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
     resolved = [s if s is not None else (1 - given) / unset for s in shares]
     out = []
     for i, ((name, path, options), share) in enumerate(zip(specs, resolved, strict=True)):
-        fields: dict = {"model": path, "random_demo": False, "kv_share": 1.0}
+        fields: dict = {"model": path, "random_demo": False, "kv_share": share,
+                        "kv_share_of_free": 1.0}
         if "quantization" in options:
             fields["quantization"] = options["quantization"] or None
         if "max_model_len" in options:
@@ -161,7 +161,8 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
         elif base.kv_cache_memory is not None:
             fields["kv_cache_memory"] = max(1, int(base.kv_cache_memory * share + 1e-9))
         else:
-            fields["kv_share"] = min(1.0, share / (1 - sum(resolved[:i])))
+            left = 1 - sum(resolved[:i])
+            fields["kv_share_of_free"] = min(1.0, share / max(left, share))
             fields["kv_reserve_bytes"] = sum(_weight_bytes(p, o) for _, p, o in specs[i + 1:])
         out.append(ModelSpec(name, dataclasses.replace(base, **fields)))
     return tuple(out)
@@ -224,6 +225,10 @@ class TenantConfig:
                 raise ValueError(f"{where}.{field} must be a positive integer, got {value!r}")
         if type(self.priority) is not int:
             raise ValueError(f"{where}.priority must be an integer, got {self.priority!r}")
+        for field in ("degradable", "admin"):
+            if type(getattr(self, field)) is not bool:
+                raise ValueError(f"{where}.{field} must be true or false, got "
+                                 f"{getattr(self, field)!r}")
 
     @property
     def cache_salt(self) -> bytes:

@@ -19,6 +19,7 @@ import hashlib
 from collections.abc import Iterable
 
 Weights = tuple[tuple[str, float], ...]
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e9  # (sums stay finite and exact enough to split by)
 
 
 def sticky_point(alias: str, key: str) -> float:
@@ -40,8 +41,10 @@ def check_weights(alias: str, weights: Weights, models: Iterable[str]) -> Weight
         if name not in known:
             raise ValueError(f"route {alias}: {name!r} is not a served model "
                              f"(served: {', '.join(sorted(known))})")
-        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < float("inf")):
-            raise ValueError(f"route {alias}: the weight of {name} must be a number >= 0")
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool)
+                and (w == 0 or MIN_WEIGHT <= w <= MAX_WEIGHT)):
+            raise ValueError(f"route {alias}: the weight of {name} must be 0 or a number in "
+                             f"[{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]")
     if not sum(w for _, w in weights) > 0:
         raise ValueError(f"route {alias}: the weights must not all be 0")
     return tuple((n, float(w)) for n, w in weights)
@@ -65,31 +68,47 @@ class Router:
                 raise ValueError(f"fallback {name}={other}: one other model per model")
             self.fallbacks[name] = other
 
-    def resolve(self, name: str, key: str) -> str | None:
-        """The served model for a request's ``model``; None if it names nothing served."""
+    def resolve(self, name: str, key: str, down: frozenset[str] | set[str] = frozenset()
+                ) -> str | None:
+        """The served model for a request's ``model``; None if it names nothing served.
+        A key whose target is ``down`` is spread over the targets still up (by a second,
+        equally sticky point) while any is; every other key stays where it was."""
         if name in self.models:
             return name
         weights = self.routes.get(name)
         if weights is None:
             return None
-        total = sum(w for _, w in weights)
-        point = sticky_point(name, key) * total
-        for target, w in weights:
-            if point < w:
-                return target
-            point -= w
-        return next(t for t, w in reversed(weights) if w > 0)  # rounding at the very top
+        target = _pick(weights, sticky_point(name, key))
+        if target in down:
+            up = tuple((t, w) for t, w in weights if t not in down and w > 0)
+            if up:
+                target = _pick(up, sticky_point(name + "\0down", key))
+        return target
 
     def set_route(self, alias: str, weights: Weights) -> Weights:
-        """Replace an alias's weights (live); returns the old ones."""
+        """Replace an alias's weights (live); returns the old ones. The targets keep their
+        order (new ones go last), so their slices move as little as the weights allow,
+        whatever order the new weights are listed in."""
         if alias not in self.routes:
             raise KeyError(alias)
         old = self.routes[alias]
-        self.routes[alias] = check_weights(alias, weights, self.models)
+        new = check_weights(alias, weights, self.models)
+        rank = {name: i for i, (name, _) in enumerate(old)}
+        self.routes[alias] = tuple(sorted(new, key=lambda t: rank.get(t[0], len(rank))))
         return old
 
     def table(self) -> dict[str, dict[str, float]]:
         return {alias: dict(w) for alias, w in self.routes.items()}
+
+
+def _pick(weights: Weights, point: float) -> str:
+    """The target whose slice of [0, 1) holds ``point`` (slices in order, by weight)."""
+    point *= sum(w for _, w in weights)
+    for target, w in weights:
+        if point < w:
+            return target
+        point -= w
+    return next(t for t, w in reversed(weights) if w > 0)  # rounding at the very top
 
 
 def describe(weights: Weights) -> str:

@@ -13,6 +13,7 @@ batcher and SLO controller; admission, ingress, metrics and the supervisor are s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
 import time
@@ -36,6 +37,7 @@ from tinyserve.routing import Router, describe
 log = logging.getLogger(__name__)
 
 WARMUP_ID = 0  # ingress numbers requests from 1
+PROBE_S, PROBE_MAX_S = 5.0, 60.0  # a down model is probed after this long, then less often
 
 
 class Server:
@@ -58,6 +60,9 @@ class Server:
         self._stop = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
+        self._tokenizers: dict[str, Any] = {}
+        self._probes: set[asyncio.Task] = set()
+        self._probe_ids = itertools.count(-1, -1)  # ingress numbers requests from 1
 
     @property
     def batcher(self) -> Batcher:
@@ -85,6 +90,7 @@ class Server:
                 engine = await loop.run_in_executor(None, Engine, spec.engine)
             engines[spec.name] = engine
         self._check_fallbacks(engines)
+        self._tokenizers = {name: e.tokenizer for name, e in engines.items()}
         infos = {name: e.info for name, e in engines.items()}
         self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
                                max(m.engine.max_num_batched_tokens for m in self.models))
@@ -101,9 +107,11 @@ class Server:
                               self.cfg.batch_timeout_ms, slo, spec.name)
             self.batchers[spec.name] = batcher
             self.executor.outboxes[spec.name] = batcher.inbox
-            lanes.append(Lane(spec.name, batcher.inbox, capacity, info.max_model_len,
-                              lambda b=batcher: b.aborts_received, slo,
-                              self.router.fallbacks.get(spec.name)))
+            lane = Lane(spec.name, batcher.inbox, capacity, info.max_model_len,
+                        lambda b=batcher: b.aborts_received, slo,
+                        self.router.fallbacks.get(spec.name))
+            slo.pressure = lambda lane=lane: lane.refused  # read when a window closes
+            lanes.append(lane)
         self.supervisor = Supervisor(self.executor, self._on_fatal, self.cfg.step_timeout_s,
                                      self.cfg.max_failed_steps, self._on_model_down)
         self.admission = Admission(lanes, lambda: self.supervisor.failure, self.cfg.tenant_list,
@@ -140,34 +148,60 @@ class Server:
                      " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
 
     def _check_fallbacks(self, engines: dict[str, Any]) -> None:
-        """A fallback serves prompts tokenized for the other model: the tokenizers must agree."""
+        """A fallback serves prompts tokenized (and bounded by the vocabulary) for the other
+        model: tokenizers and vocabularies must agree."""
         for name, other in self.router.fallbacks.items():
-            a, b = engines[name].tokenizer, engines[other].tokenizer
-            if getattr(a, "fingerprint", None) != getattr(b, "fingerprint", None):
-                raise ValueError(f"--fallback {name}={other}: the two models' tokenizers "
-                                 "differ; a fallback must tokenize prompts the same way")
+            a, b = engines[name], engines[other]
+            if (getattr(a.tokenizer, "fingerprint", None) != getattr(b.tokenizer, "fingerprint", None)
+                    or a.info.vocab_size != b.info.vocab_size):
+                raise ValueError(f"--fallback {name}={other}: the two models' tokenizers or "
+                                 "vocabularies differ; a fallback must read prompts the same way")
 
     def _on_model_down(self, model: str, reason: str) -> None:
-        """Its steps keep failing while others serve: answer what it holds, route around it."""
+        """Its steps keep failing while others serve: answer what it holds, route around it,
+        and probe it until a step runs again."""
         self.admission.lanes[model].down = reason
         self.ingress.fail_all(503, f"the model {model} is unavailable: {reason}", model)
+        task = asyncio.get_running_loop().create_task(self._probe(model), name=f"probe[{model}]")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, model: str) -> None:
+        """Every PROBE_S (doubling up to PROBE_MAX_S), one request of the server's own; the
+        first that runs brings the model back (its failure count was reset by that step)."""
+        delay, lane = PROBE_S, self.admission.lanes[model]
+        while self.supervisor.failure is None:
+            await asyncio.sleep(delay)
+            try:
+                async with asyncio.timeout(self.cfg.step_timeout_s + 5):
+                    await self._warm_up(model, self._tokenizers[model], next(self._probe_ids))
+            except (RuntimeError, TimeoutError) as e:
+                log.warning("model %s: probe failed (%s); next in %gs", model, e, delay)
+                delay = min(PROBE_MAX_S, 2 * delay)
+                continue
+            lane.down = None
+            self.supervisor.up(model)
+            return
 
     def _on_fatal(self, reason: str) -> None:
         self.ingress.fail_all(503, f"the server is unhealthy: {reason}")
 
-    async def _warm_up(self, model: str, tokenizer) -> None:
-        """One real request through admission, batcher and executor before we report ready."""
+    async def _warm_up(self, model: str, tokenizer, rid: int = WARMUP_ID) -> None:
+        """One real request through admission, batcher and executor (before we report ready,
+        and to probe a model that is down); RuntimeError if it fails."""
         t0 = time.perf_counter()
         replies: asyncio.Queue = asyncio.Queue(maxsize=8)
         prompt = (tokenizer.bos_token_id or 0,) * 2
-        await self.admission.inbox.put(Submit(WARMUP_ID, prompt, SamplingParams(
+        await self.admission.inbox.put(Submit(rid, prompt, SamplingParams(
             max_tokens=2, temperature=0.0, ignore_eos=True), time.monotonic(), replies,
             model=model, internal=True))
-        while True:
-            msg = await replies.get()
-            if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
-                break
-        self.admission.release(WARMUP_ID)
+        try:
+            while True:
+                msg = await replies.get()
+                if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
+                    break
+        finally:
+            self.admission.release(rid)
         if isinstance(msg, Failed):
             raise RuntimeError(f"{model}: warm-up step failed: {msg.message}")
         log.info("%s: warm-up done in %.2fs", model, time.perf_counter() - t0)

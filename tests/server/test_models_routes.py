@@ -221,7 +221,8 @@ def test_overload_sends_degradable_traffic_to_the_fallback_and_back_once_load_fa
                 code, state = await ready(s, srv.url)
                 assert code == 200 and state["status"] == "degraded" and state["level"] >= 2
                 assert state["models"]["a"]["status"] == "degraded"
-                assert state["models"]["b"]["status"] == "ready"
+                # (b may be degraded too: it waits for a's slow steps on the one executor)
+                assert state["models"]["b"]["status"] != "down"
                 t_degraded = time.monotonic()
                 await asyncio.sleep(1.0)
                 slow.step_seconds = 0.0  # load falls: a meets its target again
@@ -256,14 +257,81 @@ def test_overload_sends_degradable_traffic_to_the_fallback_and_back_once_load_fa
     assert rerouted >= during["b"]
 
 
-def test_a_model_whose_steps_fail_is_taken_down_and_its_degradable_traffic_falls_back():
+def test_overload_spills_degradable_requests_to_the_fallback_and_the_ladder_follows():
+    """Acceptance (issue 7), by load alone: a flood beyond model a's capacity sends the
+    degradable tenant's requests that a has no room for to b (the other tenant's get 429);
+    the refusals climb a's ladder to level 2 (/ready: degraded), which sends all degradable
+    traffic to b; once the flood stops a comes back to level 0 and serves everyone."""
+    srv = InProcessServer(models={"a": FakeRunner(step_seconds=0.02), "b": FakeRunner()},
+                          tenants=TENANTS, fallbacks=(("a", "b"),), slo_ttft_ms=2000,
+                          max_num_seqs=4, max_waiting=4)
+    lane = srv.server.admission.lanes["a"]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            flood, answers = asyncio.Event(), []
+
+            async def client(key, always):
+                while always or not flood.is_set():
+                    if flood.is_set() and not always:
+                        return
+                    sent = time.monotonic()
+                    status, header, _ = await complete(s, srv.url, "a", key, max_tokens=4)
+                    answers.append((sent, key, status, header, lane.slo.level))
+                    if status != 200:
+                        await asyncio.sleep(0.02)
+                    if always and flood.is_set() and time.monotonic() > stop_at:
+                        return
+
+            stop_at = float("inf")
+            crowd = [asyncio.ensure_future(client(k, False)) for k in (DEG, FIRM) * 12]
+            steady = [asyncio.ensure_future(client(k, True)) for k in (DEG, FIRM)]
+            deadline = time.monotonic() + 30
+            while lane.slo.level < 2:
+                assert time.monotonic() < deadline, "a never reached level 2"
+                await asyncio.sleep(0.1)
+            code, state = await ready(s, srv.url)
+            assert code == 200 and state["status"] == "degraded" and state["level"] >= 2
+            assert "capacity" in state["models"]["a"]["reason"]
+            flood.set()  # the load falls: one client per tenant goes on
+            await asyncio.gather(*crowd)
+            deadline = time.monotonic() + 40
+            while lane.slo.level:
+                assert time.monotonic() < deadline, "a never came back to level 0"
+                await asyncio.sleep(0.1)
+            code, state = await ready(s, srv.url)
+            assert (code, state["status"]) == (200, "ready")
+            stop_at = time.monotonic() + 1.0
+            await asyncio.gather(*steady)
+            text = await metrics(s, srv.url)
+        return answers, text
+
+    try:
+        answers, text = asyncio.run(main())
+    finally:
+        srv.stop()
+    firm = [(status, h) for _, key, status, h, _ in answers if key == FIRM]
+    assert all(h == "a" for status, h in firm if status == 200)  # never rerouted
+    assert any(status == 429 for status, _ in firm)  # a was full
+    deg_b = [lv for _, key, status, h, lv in answers if key == DEG and h == "b"]
+    assert deg_b and any(lv >= 2 for lv in deg_b)
+    tail = [h for t, key, status, h, lv in answers if key == DEG and lv == 0 and t > answers[-1][0] - 1]
+    assert tail and set(tail) == {"a"}, tail  # back on a once calm
+    assert metric_value(text, "tinyserve:fallback_requests_total", '{reason="overload"}') > 0
+    assert metric_value(text, "tinyserve:fallback_requests_total", '{reason="degraded"}') > 0
+    assert not any(status >= 500 for _, _, status, _, _ in answers)
+
+
+def test_a_model_whose_steps_fail_is_taken_down_routed_around_and_probed_back(monkeypatch):
+    monkeypatch.setattr("tinyserve.server.PROBE_S", 0.3)
     broken = FakeRunner()
     srv = InProcessServer(models={"a": broken, "b": FakeRunner()}, tenants=TENANTS,
+                          routes=(("chat", (("a", 50.0), ("b", 50.0))),),
                           fallbacks=(("a", "b"),), max_failed_steps=3)
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            broken.fail_next = 1000
+            broken.fail_next = 10**6
             for _ in range(3):
                 status, _, got = await complete(s, srv.url, "a")
                 assert status == 500
@@ -276,18 +344,32 @@ def test_a_model_whose_steps_fail_is_taken_down_and_its_degradable_traffic_falls
             status, _, got = await complete(s, srv.url, "a", FIRM)
             assert status == 503 and "unavailable" in got["error"]["message"]
             assert (await complete(s, srv.url, "b", FIRM))[0] == 200
+            # The route sends a's share of its users to b while a is down.
+            routed = {(await complete(s, srv.url, "chat", FIRM, user=f"u{i}"))[:2]
+                      for i in range(40)}
+            assert routed == {(200, "b")}
             async with s.get(srv.url + "/health") as r:
                 assert r.status == 200  # b still serves: no restart wanted
             code, state = await ready(s, srv.url)
-            assert code == 200 and state["status"] == "degraded"
+            assert code == 200 and state["status"] == "degraded" and state["down"] == ["a"]
             assert state["models"]["a"]["status"] == "down"
             text = await metrics(s, srv.url)
             assert metric_value(text, "tinyserve:fallback_requests_total",
                                 '{model="a",reason="down"}') == 1
-            # The last model failing too is fatal: /health says restart.
-            srv.runners["b"].fail_next = 1000
-            for _ in range(3):
-                await complete(s, srv.url, "b", FIRM)
+            # Fixed: the next probe runs a step, and a serves again.
+            broken.fail_next = 0
+            deadline = time.monotonic() + 10
+            while srv.server.supervisor.down.get("a") is not None:
+                assert time.monotonic() < deadline, "a was never probed back"
+                await asyncio.sleep(0.05)
+            status, header, _ = await complete(s, srv.url, "a", FIRM)
+            assert (status, header) == (200, "a")
+            assert (await ready(s, srv.url))[1]["status"] == "ready"
+            # Every model failing is fatal: /health says restart.
+            for runner in srv.runners.values():
+                runner.fail_next = 10**6
+            for model in ("a", "b") * 3:
+                await complete(s, srv.url, model, FIRM)
             deadline = time.monotonic() + 5
             while True:
                 async with s.get(srv.url + "/health") as r:
@@ -299,5 +381,36 @@ def test_a_model_whose_steps_fail_is_taken_down_and_its_degradable_traffic_falls
     try:
         asyncio.run(main())
         assert srv.wait_idle()["requests"] == 0
+    finally:
+        srv.stop()
+
+
+def test_a_model_whose_traffic_all_went_to_the_fallback_still_steps_back_down():
+    """Its controller gets no steps while everything goes to b: idle windows still close and
+    count as calm, so a's ladder comes down and its traffic comes back."""
+    slow = FakeRunner()
+    srv = InProcessServer(models={"a": slow, "b": FakeRunner()}, tenants=TENANTS,
+                          fallbacks=(("a", "b"),), slo_ttft_ms=100, max_num_seqs=4,
+                          max_waiting=4)
+    lane = srv.server.admission.lanes["a"]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            slow.step_seconds = 0.15
+            deadline = time.monotonic() + 30
+            while lane.slo.level < 2:  # only the degradable tenant uses a
+                assert time.monotonic() < deadline
+                await complete(s, srv.url, "a", DEG)
+            slow.step_seconds = 0.0
+            assert (await complete(s, srv.url, "a", DEG))[1] == "b"
+            deadline = time.monotonic() + 30
+            while lane.slo.level >= 2:
+                assert time.monotonic() < deadline, "a stayed degraded with no traffic"
+                await asyncio.sleep(0.2)
+                assert (await complete(s, srv.url, "a", DEG))[0] == 200
+            assert (await complete(s, srv.url, "a", DEG))[1] == "a"
+
+    try:
+        asyncio.run(main())
     finally:
         srv.stop()

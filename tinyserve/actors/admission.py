@@ -6,7 +6,9 @@ model serves it instead (if it has one that is up and fits the request); the mod
 503; the degradation ladder sheds the tenant's priority -> 503; the tenant is at its
 concurrency limit or out of tokens for the minute -> 429 with the Retry-After its bucket needs
 (``quotas.py``); the model already holds its capacity (max_num_seqs + max_waiting, or the SLO
-controller's smaller limit) -> 429 with Retry-After; else the Submit goes on to that model's
+controller's smaller limit) -> a degradable tenant spills over to the fallback if that has
+room, anyone else gets 429 with Retry-After (counted: sustained refusals climb the model's
+degradation ladder); else the Submit goes on to that model's
 batcher, and only then is the request told Accepted, naming the model (so an Abort that
 ingress sends after Accepted can never overtake its Submit). Every rejection is counted by
 tenant and reason, every reroute by model, fallback, tenant and reason.
@@ -57,11 +59,16 @@ class Lane:
     down: str | None = None  # why its steps fail; None while it serves
     admitted: int = 0
     released: int = 0
+    refused: int = 0  # turned away for capacity (the SLO controller's overload signal)
     aborts_sent: int = 0
 
     def __post_init__(self) -> None:
         if self.slo is None:
             self.slo = SloController(None, None, self.capacity)
+
+    @property
+    def full(self) -> bool:
+        return self.in_system() >= min(self.capacity, self.slo.limit)
 
     def in_system(self) -> int:
         """Requests holding a slot, from acceptance until their handler ends (a slow reader
@@ -125,16 +132,20 @@ class Admission:
                    "the server is shutting down" if self.draining else "the model is not ready")
             msg.reply_to.put_nowait(Failed(503, why, retry_after=5.0))
             return
-        lane = self.lanes.get(msg.model, self._default)
-        refusal = None
+        lane = routed = self.lanes.get(msg.model, self._default)
+        refusal, why = None, ""
         if not msg.internal:
-            lane, msg, refusal = self._degrade(lane, msg)
-        cost = len(msg.prompt_token_ids) + msg.params.max_tokens
+            lane, msg, why, refusal = self._degrade(lane, msg)
         if refusal is None and not msg.internal:
+            cost = len(msg.prompt_token_ids) + msg.params.max_tokens
             refusal = self.quotas.refuse(msg.tenant, cost)
-        limit = min(lane.capacity, lane.slo.limit)
-        if refusal is None and lane.in_system() >= limit:
-            refusal = "capacity", too_many(limit)
+        if refusal is None and lane.full:
+            spill = None if msg.internal or lane is not routed else self._spill(lane, msg)
+            if spill is not None:
+                lane, msg, why = *spill, "overload"
+            else:
+                lane.refused += 1
+                refusal = "capacity", too_many(min(lane.capacity, lane.slo.limit))
         if refusal is not None:
             reason, failed = refusal
             self._emit(AdmissionRejected(msg.tenant, reason))
@@ -144,38 +155,64 @@ class Admission:
         lane.admitted += 1
         tenant = None if msg.internal else msg.tenant
         if tenant is not None:
-            self.quotas.admit(tenant, cost)
+            self.quotas.admit(tenant, len(msg.prompt_token_ids) + msg.params.max_tokens)
+        if lane is not routed:
+            self._emit(Rerouted(routed.name, lane.name, msg.tenant, why))
         self._held[msg.request_id] = (lane, tenant, msg.params.max_tokens)
         msg.reply_to.put_nowait(Accepted(lane.name))
 
+    def lane_of(self, request_id: int) -> Lane | None:
+        """The model an accepted request is on (until it is released)."""
+        held = self._held.get(request_id)
+        return None if held is None else held[0]
+
+    def _spill(self, lane: Lane, msg: Submit) -> tuple[Lane, Submit] | None:
+        """A degradable request its model has no room for goes to the fallback, if that has
+        room, fits it, and its own ladder would not shed it."""
+        tenant = self._tenants[msg.tenant]
+        if not tenant.degradable or lane.fallback is None:
+            return None
+        other = self.lanes[lane.fallback]
+        if other.slo.level >= 2:  # the fallback's own ladder caps degradable tenants
+            msg = _capped(msg)
+        if (other.down or other.full or self._shed(other, tenant)
+                or len(msg.prompt_token_ids) + msg.params.max_tokens > other.max_model_len):
+            return None
+        return other, msgspec.structs.replace(msg, model=other.name)
+
+    def _shed(self, lane: Lane, tenant: TenantConfig) -> bool:
+        level = lane.slo.level
+        return bool(level) and ((level >= 3 and tenant.priority < self._highest) or (
+            tenant.priority == self._lowest < self._highest))
+
     def _degrade(self, lane: Lane, msg: Submit
-                 ) -> tuple[Lane, Submit, tuple[str, Failed] | None]:
+                 ) -> tuple[Lane, Submit, str, tuple[str, Failed] | None]:
         """Fallback and the degradation ladder (see core/slo.py): reroute degradable tenants
         away from a model that is degraded (level 2+) or down, shed by priority, cap
         degradable tenants' completions."""
         tenant = self._tenants[msg.tenant]
         capped = tenant.degradable and lane.slo.level >= 2
-        why = "down" if lane.down else "degraded" if lane.slo.level >= 2 else None
+        why = "down" if lane.down else "degraded" if lane.slo.level >= 2 else ""
         if why and tenant.degradable and lane.fallback is not None:
             other = self.lanes[lane.fallback]
             max_tokens = min(msg.params.max_tokens, DEGRADED_MAX_TOKENS) if capped else \
                 msg.params.max_tokens
             if other.down is None and len(msg.prompt_token_ids) + max_tokens <= other.max_model_len:
-                self._emit(Rerouted(lane.name, other.name, tenant.name, why))
                 lane = other
                 msg = msgspec.structs.replace(msg, model=other.name)
         if lane.down:
-            return lane, msg, ("unavailable", Failed(
+            return lane, msg, why, ("unavailable", Failed(
                 503, f"the model {lane.name} is unavailable ({lane.down})", retry_after=5.0))
-        level = lane.slo.level
-        capped = capped or (tenant.degradable and level >= 2)
-        shed = level and ((level >= 3 and tenant.priority < self._highest) or (
-            tenant.priority == self._lowest < self._highest))
-        if shed:
-            return lane, msg, ("degraded", Failed(
+        capped = capped or (tenant.degradable and lane.slo.level >= 2)
+        if self._shed(lane, tenant):
+            return lane, msg, why, ("degraded", Failed(
                 503, f"the server is degraded ({lane.slo.reason}): priority {tenant.priority} "
                 "requests are shed for now", retry_after=5.0))
-        if capped and msg.params.max_tokens > DEGRADED_MAX_TOKENS:
-            params = msgspec.structs.replace(msg.params, max_tokens=DEGRADED_MAX_TOKENS)
-            msg = msgspec.structs.replace(msg, params=params)
-        return lane, msg, None
+        return lane, (_capped(msg) if capped else msg), why, None
+
+
+def _capped(msg: Submit) -> Submit:
+    if msg.params.max_tokens <= DEGRADED_MAX_TOKENS:
+        return msg
+    params = msgspec.structs.replace(msg.params, max_tokens=DEGRADED_MAX_TOKENS)
+    return msgspec.structs.replace(msg, params=params)

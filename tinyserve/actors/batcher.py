@@ -75,7 +75,16 @@ class Batcher:
     # -- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
-            self._handle(await self.inbox.get())
+            if self.slo.enabled and not self.core.has_unfinished:
+                try:  # an idle model's SLO windows still close (see SloController.tick)
+                    msg = await asyncio.wait_for(self.inbox.get(), self.slo.window_s)
+                except TimeoutError:
+                    self._tick()
+                    self._emit_stats(0)
+                    continue
+            else:
+                msg = await self.inbox.get()
+            self._handle(msg)
             while not self.inbox.empty():
                 self._handle(self.inbox.get_nowait())
             if self._in_flight is None and self.core.has_unfinished:
@@ -174,11 +183,14 @@ class Batcher:
             self._send(req)
             if req.seq.is_finished:
                 self._end(req, req.seq.finish_reason)
-        if self.slo.tick() is not None:
+        self._tick()
+        self._emit_stats(plan.num_tokens)
+
+    def _tick(self) -> None:
+        if self.slo.tick(idle=not self.core.has_unfinished) is not None:
             sched, cfg = self.core.scheduler, self.core.cfg
             sched.max_running, sched.max_tokens_per_step = self.slo.scheduler_limits(
                 cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self._emit_stats(plan.num_tokens)
 
     # -- outputs -----------------------------------------------------------------------------
     def _send(self, req: Request) -> None:

@@ -198,6 +198,7 @@ class Ingress:
                 reasons.append(f"{lane.name}: {status}, {why}" if many else why)
         status = "degraded" if reasons else "ready"  # still serving: ready, but say how
         return _json({"status": status, "level": level, "reason": "; ".join(reasons),
+                      "down": [n for n, m in models.items() if m["status"] == "down"],
                       "models": models})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -255,7 +256,8 @@ class Ingress:
         async with self._parsing:
             req = decode_request(await self._body(request), kind)
             # Sticky per user within a tenant, else per tenant: one user sees one version.
-            model = b.router.resolve(req.model, f"{tenant.name}\0{req.user or ''}")
+            model = b.router.resolve(req.model, f"{tenant.name}\0{req.user or ''}", {
+                n for n, lane in b.admission.lanes.items() if lane.down})
             if model is None:
                 raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
                                code="model_not_found")
@@ -378,17 +380,22 @@ class Ingress:
             for task in self._orphans:
                 task.cancel()
         failed = Failed(status, message, retry_after=5.0)
+        admission = self.backend.admission if self.backend is not None else None
         for call in self._live.values():
-            if model is not None and (call.lane is None or call.lane.name != model):
+            # (accepted, though its handler may not have read the Accepted yet)
+            lane = call.lane or (admission.lane_of(call.rid) if admission else None)
+            if model is not None and (lane is None or lane.name != model):
                 continue  # (one not yet accepted: admission sends it elsewhere or refuses it)
+            if lane is not None:  # its handler releases the slot, even if Accepted is dropped
+                call.lane, call.accepted = lane, True
             while True:  # the reader only needs the error: drop output it has not read yet
                 try:
                     call.replies.put_nowait(failed)
                     break
                 except asyncio.QueueFull:
                     call.replies.get_nowait()
-            if call.accepted:  # a live batcher may still run it
-                self._send_abort(call.lane, call.rid)
+            if lane is not None:  # a live batcher may still run it
+                self._send_abort(lane, call.rid)
 
     # -- checks ----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> TenantConfig:

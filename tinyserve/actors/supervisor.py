@@ -7,7 +7,8 @@ Faults it watches for:
 
 A failing model, while others still serve, is only marked down (``down``; ``on_model_down``
 runs once for it): its pending requests are answered, its degradable traffic goes to its
-fallback, the rest gets 503. The last model going down, like the other faults, is fatal:
+fallback, the rest gets 503, and the server probes it with a request of its own now and then
+(``up`` when one succeeds). The last model going down, like the other faults, is fatal:
 ``failure`` is set (``/health`` then answers 503, so the orchestrator restarts the process,
 and admission turns new requests away with 503), and ``on_fatal`` runs once, which fails every
 pending request with a 503 instead of leaving it to hang. Recovery is a restart: after a crash
@@ -60,6 +61,11 @@ class Supervisor:
             self._on_fatal(reason)
         except Exception:
             log.exception("supervisor: failing the pending requests raised")
+
+    def up(self, model: str) -> None:
+        """A model that was down ran a step again (the server's probe): count it as serving."""
+        if self.down.pop(model, None) is not None:
+            log.warning("model %s is back up", model)
 
     async def run(self) -> None:
         """Check the step in flight often enough to see a timeout within a second of it."""

@@ -13,8 +13,12 @@ The window after a decrease is not judged: its first tokens mostly belong to req
 under the old limit, and judging them would cut again for the same excess (measured: without
 this pause the limit overshot far below what the server can serve in time).
 
-A limit that cannot go lower, or 3 violated windows in a row, escalate the degradation level;
-3 comfortable windows at the full limit de-escalate it. Levels (what admission does):
+A limit that cannot go lower, or 3 overloaded windows in a row, escalate the degradation
+level; 3 comfortable windows at the full limit, with nobody turned away, de-escalate it. A
+window is overloaded when it violates a target, or when admission turned requests away for
+capacity during it (``pressure``: its running count of such refusals) - the server then meets
+its targets only by refusing work, which is what the ladder exists to make selective.
+Levels (what admission does):
 
     0 normal
     1 shed the lowest priority: its new requests get 503 + Retry-After
@@ -59,8 +63,11 @@ def p95(values: list[float]) -> float | None:
 
 class SloController:
     def __init__(self, ttft_s: float | None, itl_s: float | None, max_limit: int,
-                 window_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 window_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 pressure: Callable[[], int] = lambda: 0) -> None:
         self.ttft_s, self.itl_s = ttft_s, itl_s
+        self.pressure = pressure  # wired by the server to admission's count
+        self._refused = 0  # pressure() when the last window closed
         self.max_limit = max_limit
         self.window_s = window_s
         self.clock = clock
@@ -88,16 +95,22 @@ class SloController:
             return False
         return self.itl_s is None or not itls or sum(itls) / len(itls) <= self.itl_s
 
-    def tick(self) -> WindowStats | None:
-        """Close the window if it is over; returns its stats (None while it is open)."""
+    def tick(self, idle: bool = False) -> WindowStats | None:
+        """Close the window if it is over; returns its stats (None while it is open).
+
+        ``idle``: the model holds no request. A window with no samples is then calm (nothing
+        waits, nobody was turned away), so a model whose traffic went elsewhere - to its
+        fallback, or shed - still steps back down its ladder and gets the traffic back."""
         now = self.clock()
         if now < self._window_end or not self.enabled:
             return None
         self._window_end = now + self.window_s
         ttft, itl = p95(self._ttft), p95(self._itl)
         self._ttft, self._itl = [], []
-        if ttft is None and itl is None:
-            return None  # nothing finished a first token: no evidence either way
+        refused, self._refused = self._refused, self.pressure()
+        refusing = self._refused > refused
+        if ttft is None and itl is None and not refusing and not idle:
+            return None  # busy, but nothing finished a first token: no evidence either way
         if self._pause:
             self._pause = False
             return None
@@ -113,13 +126,22 @@ class SloController:
             if floor_hit or self._bad >= STREAK:
                 self._set_level(self.level + 1, "P95 over target")
                 self._bad = 0
-        elif all(v < COMFORT * t for v, t in over):
-            self._bad = 0
-            self._good += 1
-            self.limit = min(self.max_limit, self.limit + max(1, self.limit // 8))
-            if self._good >= STREAK and self.limit == self.max_limit and self.level:
-                self._set_level(self.level - 1, "P95 back under target")
+        else:
+            comfortable = all(v < COMFORT * t for v, t in over)
+            if comfortable:
+                self.limit = min(self.max_limit, self.limit + max(1, self.limit // 8))
+            if refusing:
                 self._good = 0
+                self._bad += 1
+                if self._bad >= STREAK:
+                    self._set_level(self.level + 1, "turning requests away for capacity")
+                    self._bad = 0
+            elif comfortable:
+                self._bad = 0
+                self._good += 1
+                if self._good >= STREAK and self.limit == self.max_limit and self.level:
+                    self._set_level(self.level - 1, "P95 back under target")
+                    self._good = 0
         return WindowStats(now, ttft, itl, self.limit, self.level, violated)
 
     def scheduler_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:

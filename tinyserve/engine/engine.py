@@ -123,5 +123,5 @@ class Engine:
         per_token = (6 * mcfg.hidden_size + 3 * mcfg.intermediate_size
                      + (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim) * itemsize
         activations = cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * mcfg.vocab_size * 4
-        budget = int(free * cfg.gpu_memory_utilization * cfg.kv_share) - 2 * activations
+        budget = int(free * cfg.gpu_memory_utilization * cfg.kv_share_of_free) - 2 * activations
         return max(1, min(want, budget // per_block))
