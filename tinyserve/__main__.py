@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a model step running longer than this means a wedged device: /health "
                         "turns 503 (so the orchestrator restarts us) and pending requests get 503")
     s.add_argument("--max-failed-steps", type=int, default=3,
-                   help="this many failed steps in a row mark the server unhealthy")
+                   help="this many failed steps of a model in a row take it down (its "
+                        "degradable traffic goes to its fallback; it is probed back every "
+                        "5-60 s); the last model serving: the server is unhealthy")
     s.add_argument("--max-body-size", type=parse_size, default=4 * 2**20,
                    help="largest request body accepted, e.g. 4MiB; larger ones get 413")
     s.add_argument("--log-level", default="info",

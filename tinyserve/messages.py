@@ -222,6 +222,7 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True):
 class AdmissionRejected(msgspec.Struct, frozen=True, tag=True):
     tenant: str
     reason: str  # "concurrency" | "tokens" | "capacity" | "degraded" | "unavailable"
+    model: str = ""  # the model it was routed to
 
 
 class Rerouted(msgspec.Struct, frozen=True, tag=True):

@@ -18,10 +18,11 @@ from tinyserve.protocol import (
     CompletionResponse,
     ErrorResponse,
     ModelList,
+    RouteUpdate,
 )
 
 _TYPES = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CompletionRequest,
-          CompletionResponse, ModelList, ErrorResponse)
+          CompletionResponse, ModelList, ErrorResponse, RouteUpdate)
 
 
 def _ref(t: type) -> dict[str, str]:
@@ -60,6 +61,14 @@ def openapi_spec(version: str) -> dict[str, Any]:
                                               ChatCompletionChunk, "Create a chat completion"),
             "/v1/models": {"get": {"responses": {"200": {"description": "the served models",
                 "content": {"application/json": {"schema": _ref(ModelList)}}}, **_errors(401)}}},
+            "/admin/routes": {
+                "get": {"summary": "The route table (admin tenants)", "responses": {
+                    "200": {"description": "routes and fallbacks"}, **_errors(401, 403)}},
+                "post": {"summary": "Change one route's weights, live (admin tenants)",
+                         "requestBody": {"required": True, "content": {
+                             "application/json": {"schema": _ref(RouteUpdate)}}},
+                         "responses": {"200": {"description": "the new route table"},
+                                       **_errors(400, 401, 403, 404, 413)}}},
             "/health": probe,
             "/ready": probe,
         },

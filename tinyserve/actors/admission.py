@@ -148,7 +148,7 @@ class Admission:
                 refusal = "capacity", too_many(min(lane.capacity, lane.slo.limit))
         if refusal is not None:
             reason, failed = refusal
-            self._emit(AdmissionRejected(msg.tenant, reason))
+            self._emit(AdmissionRejected(msg.tenant, reason, lane.name))
             msg.reply_to.put_nowait(failed)
             return
         lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see in_system)

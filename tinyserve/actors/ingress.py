@@ -298,7 +298,7 @@ class Ingress:
             b.admission.inbox.put_nowait(msg)
         except asyncio.QueueFull:  # capacity requests are already ahead of this one
             call.done = True
-            b.metrics.emit(AdmissionRejected(call.tenant, "capacity"))
+            b.metrics.emit(AdmissionRejected(call.tenant, "capacity", model))
             f = too_many(b.admission.capacity)
             raise ApiError(f.status, f.message, retry_after=f.retry_after) from None
         first = await call.replies.get()

@@ -111,9 +111,10 @@ class Metrics:
                                "(TTFT and mean ITL under their targets)", ["model", "tenant"],
                                registry=r)
         self.rejections = Counter(P + "admission_rejections",
-                                  "Requests turned away by admission (429/400), by tenant and "
-                                  "reason: concurrency, tokens (per-minute bucket), capacity",
-                                  ["tenant", "reason"], registry=r)
+                                  "Requests turned away by admission, by model, tenant and "
+                                  "reason: concurrency, tokens (per-minute bucket), capacity, "
+                                  "degraded (shed by the ladder), unavailable (model down)",
+                                  ["model", "tenant", "reason"], registry=r)
         self.fallbacks = Counter(P + "fallback_requests", "Degradable requests for a model served "
                                  "by its fallback, by reason: degraded (SLO ladder level 2+) or "
                                  "down (its steps fail)", ["model", "fallback", "tenant", "reason"],
@@ -183,7 +184,7 @@ class Metrics:
                 case RequestFailed():
                     self.errors.labels(code=ev.code).inc()
                 case AdmissionRejected():
-                    self.rejections.labels(tenant=ev.tenant, reason=ev.reason).inc()
+                    self.rejections.labels(ev.model, ev.tenant, ev.reason).inc()
                 case Rerouted():
                     self.fallbacks.labels(ev.model, ev.fallback, ev.tenant, ev.reason).inc()
                 case _:
