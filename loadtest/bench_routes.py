@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import collections
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 
+from loadtest.bench_slo import open_loop  # noqa: E402
 from tests.server.conftest import metric_value  # noqa: E402
 from tests.server.inprocess import FakeRunner, InProcessServer  # noqa: E402
 from tinyserve.config import TenantConfig  # noqa: E402
@@ -114,24 +114,14 @@ async def _split(url: str) -> dict:
 
 async def _overload(url: str, phases: list[tuple[float, float]], seed: int) -> list[tuple]:
     """Poisson arrivals to model a, tenants alternating -> (sent, key, status, model, TTFT)."""
-    rng = random.Random(seed)
-    t0 = time.perf_counter()
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(300)) as s:
-        async def one(i: int) -> tuple:
-            sent = time.perf_counter() - t0
+        async def one(i: int, sent: float) -> tuple:
             key = DEG if i % 2 else FIRM
             status, model, ttft = await _one(s, url, "a", key, None, TOKENS, stream=True)
             return sent, key, status, model, ttft
 
-        jobs, i, start = [], 0, 0.0
-        for seconds, rate in phases:
-            start += seconds
-            while time.perf_counter() - t0 < start:
-                jobs.append(asyncio.ensure_future(one(i)))
-                i += 1
-                await asyncio.sleep(rng.expovariate(rate))
-        return await asyncio.gather(*jobs)
+        return await open_loop(phases, seed, one)
 
 
 def run(phase_seconds: float = 30.0, fallback: bool = True, seed: int = 1) -> dict:

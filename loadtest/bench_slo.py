@@ -18,7 +18,9 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -33,26 +35,32 @@ CAPACITY = SEQS / ((TOKENS + 1) * STEP_S)  # requests/s the stand-in model can f
 WINDOW_S = 1.0
 
 
-async def _load(url: str, phases: list[tuple[float, float]], seed: int
-                ) -> list[tuple[float, int, float | None]]:
-    """Poisson arrivals, rate by phase -> (arrival time, status, TTFT) per request."""
+async def open_loop(phases: list[tuple[float, float]], seed: int,
+                    one: Callable[[int, float], Awaitable[Any]]) -> list[Any]:
+    """Poisson arrivals, rate by phase: ``one(i, seconds since the start)`` for each arrival,
+    not waiting for earlier ones (open loop); all awaited at the end."""
     rng = random.Random(seed)
     t0 = time.perf_counter()
+    jobs, i, start = [], 0, 0.0
+    for seconds, rate in phases:
+        start += seconds
+        while time.perf_counter() - t0 < start:
+            jobs.append(asyncio.ensure_future(one(i, time.perf_counter() - t0)))
+            i += 1
+            await asyncio.sleep(rng.expovariate(rate))
+    return await asyncio.gather(*jobs)
+
+
+async def _load(url: str, phases: list[tuple[float, float]], seed: int
+                ) -> list[tuple[float, int, float | None]]:
+    """-> (arrival time, status, TTFT) per request."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(300)) as s:
-        async def one(i: int) -> tuple[float, int, float | None]:
-            sent = time.perf_counter() - t0
+        async def one(i: int, sent: float) -> tuple[float, int, float | None]:
             status, ttft, _ = await stream_one(s, url, "unused", i, TOKENS)
             return sent, status, ttft
 
-        jobs, i, start = [], 0, 0.0
-        for seconds, rate in phases:
-            start += seconds
-            while time.perf_counter() - t0 < start:
-                jobs.append(asyncio.ensure_future(one(i)))
-                i += 1
-                await asyncio.sleep(rng.expovariate(rate))
-        return await asyncio.gather(*jobs)
+        return await open_loop(phases, seed, one)
 
 
 def run(phase_seconds: float = 15.0, slo_ttft_ms: float | None = 400.0, seed: int = 1,
