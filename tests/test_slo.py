@@ -82,33 +82,50 @@ def test_itl_target_and_per_request_goodput():
     assert not both.met(1.5, (0.01,)) and not both.met(None, ())
 
 
-def test_refusing_for_capacity_climbs_the_ladder_even_with_latency_in_target():
-    """Overload that the limit alone absorbs (every TTFT fine, but requests turned away)
-    escalates after 3 such windows; de-escalation needs 3 calm windows at the full limit."""
+def test_refusing_under_a_cut_limit_climbs_the_ladder_even_with_latency_in_target():
+    """After a cut, a server that keeps its targets only by turning requests away is
+    overloaded: 3 such windows escalate. Refusals at the full limit are plain back-pressure."""
     clock, refused = Clock(), [0]
     slo = SloController(ttft_s=0.5, itl_s=None, max_limit=8, clock=clock,
                         pressure=lambda: refused[0])
-    for _ in range(2):
-        refused[0] += 5
-        window(slo, clock, ttft=0.1)
+    window(slo, clock, ttft=0.9)  # violated: 8 -> 5 (one overloaded window)
+    window(slo, clock, ttft=0.1)  # (paused)
+    refused[0] += 5
+    window(slo, clock, ttft=0.1)  # comfortable (5 -> 6) but refusing under the cut limit
     assert slo.level == 0
     refused[0] += 1
     window(slo, clock, ttft=0.1)
-    assert slo.level == 1 and "capacity" in slo.reason and slo.limit == 8
+    assert slo.level == 1 and "capacity" in slo.reason and slo.limit == 7
+    refused[0] += 1
+    window(slo, clock, ttft=0.1)  # 7 -> 8, still refusing under 7
+    assert slo.limit == 8
+    for _ in range(3):  # at the full limit refusals are back-pressure: calm windows
+        refused[0] += 10
+        window(slo, clock, ttft=0.1)
+    assert slo.level == 0
+
+
+def test_refusals_at_the_full_limit_never_climb_the_ladder():
+    clock, refused = Clock(), [0]
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=8, clock=clock,
+                        pressure=lambda: refused[0])
+    for _ in range(10):
+        refused[0] += 50
+        window(slo, clock, ttft=0.1)
+    assert (slo.level, slo.limit) == (0, 8)
+
+
+def test_a_busy_window_without_samples_neither_grows_the_limit_nor_counts_as_calm():
+    clock, refused = Clock(), [0]
+    slo = SloController(ttft_s=0.5, itl_s=None, max_limit=100, clock=clock,
+                        pressure=lambda: refused[0])
+    window(slo, clock, ttft=0.9)  # 100 -> 70
+    window(slo, clock, ttft=0.1)  # (paused)
     for _ in range(3):
         refused[0] += 1
-        window(slo, clock, ttft=0.1)
-    assert slo.level == 2
-    refused[0] += 1
-    window(slo, clock, ttft=0.3)  # neither comfortable nor violated, still refusing: the streak goes on
-    for _ in range(2):
-        window(slo, clock, ttft=0.1)  # calm
-    assert slo.level == 2
-    window(slo, clock, ttft=0.1)
-    assert slo.level == 1  # 3 calm windows at the full limit
-    clock.t += 1
-    refused[0] += 3
-    assert slo.tick() is not None  # refusals without a first token are still evidence
+        clock.t += slo.window_s
+        assert slo.tick(idle=False) is not None  # refusals are evidence of overload...
+    assert slo.limit == 70 and slo.level == 1  # ...but not of room for more
 
 
 def test_idle_windows_are_calm_busy_windows_without_samples_are_not():

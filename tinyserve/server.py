@@ -30,7 +30,7 @@ from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
 from tinyserve.config import ModelSpec, ServerConfig
 from tinyserve.core.slo import SloController
-from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
+from tinyserve.messages import Abort, AbortAll, Failed, Output, SamplingParams, Submit
 from tinyserve.prompts import PromptParser
 from tinyserve.routing import Router, describe
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 WARMUP_ID = 0  # ingress numbers requests from 1
 PROBE_S, PROBE_MAX_S = 5.0, 60.0  # a down model is probed after this long, then less often
+PROBE_STABLE_S = 60.0  # up this long after a probe: the next failure starts the backoff anew
 
 
 class Server:
@@ -62,6 +63,8 @@ class Server:
         self.port: int | None = None
         self._tokenizers: dict[str, Any] = {}
         self._probes: set[asyncio.Task] = set()
+        self._probe_delay: dict[str, float] = {}  # the wait before a down model's next probe
+        self._up_since: dict[str, float] = {}  # when a probe last brought a model back
         self._probe_ids = itertools.count(-1, -1)  # ingress numbers requests from 1
 
     @property
@@ -159,27 +162,39 @@ class Server:
 
     def _on_model_down(self, model: str, reason: str) -> None:
         """Its steps keep failing while others serve: answer what it holds, route around it,
-        and probe it until a step runs again."""
+        and probe it until a step runs again. A model that fails again soon after a probe
+        brought it back keeps doubling its wait (a probe can pass where real traffic fails)."""
         self.admission.lanes[model].down = reason
         self.ingress.fail_all(503, f"the model {model} is unavailable: {reason}", model)
+        recently_up = time.monotonic() - self._up_since.get(model, -PROBE_STABLE_S) < PROBE_STABLE_S
+        delay = min(PROBE_MAX_S, 2 * self._probe_delay[model]) if recently_up else PROBE_S
+        self._probe_delay[model] = delay
         task = asyncio.get_running_loop().create_task(self._probe(model), name=f"probe[{model}]")
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
     async def _probe(self, model: str) -> None:
-        """Every PROBE_S (doubling up to PROBE_MAX_S), one request of the server's own; the
-        first that runs brings the model back (its failure count was reset by that step)."""
-        delay, lane = PROBE_S, self.admission.lanes[model]
-        while self.supervisor.failure is None:
-            await asyncio.sleep(delay)
+        """After the model's probe delay (doubling up to PROBE_MAX_S), one request of the
+        server's own; the first that runs brings the model back (that step reset its failure
+        count)."""
+        lane = self.admission.lanes[model]
+        while True:
+            await asyncio.sleep(self._probe_delay[model])
+            if self.supervisor.failure or self.admission.draining:
+                return
+            rid = next(self._probe_ids)
             try:
                 async with asyncio.timeout(self.cfg.step_timeout_s + 5):
-                    await self._warm_up(model, self._tokenizers[model], next(self._probe_ids))
+                    await self._warm_up(model, self._tokenizers[model], rid)
             except (RuntimeError, TimeoutError) as e:
+                if isinstance(e, TimeoutError):  # still queued or running: take it back out
+                    lane.batcher_inbox.put_nowait(Abort(rid))
+                    lane.aborts_sent += 1
+                delay = self._probe_delay[model] = min(PROBE_MAX_S, 2 * self._probe_delay[model])
                 log.warning("model %s: probe failed (%s); next in %gs", model, e, delay)
-                delay = min(PROBE_MAX_S, 2 * delay)
                 continue
             lane.down = None
+            self._up_since[model] = time.monotonic()
             self.supervisor.up(model)
             return
 
@@ -238,6 +253,9 @@ class Server:
         return True
 
     async def close(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self.supervisor is not None:

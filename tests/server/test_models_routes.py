@@ -250,7 +250,9 @@ def test_overload_sends_degradable_traffic_to_the_fallback_and_back_once_load_fa
     # between sending and admission) were answered by b; those after its recovery by a.
     deg = [(t, h) for t, key, h in ok if key == DEG and level_at(t) == level_at(t + 0.05)]
     during = collections.Counter(h for t, h in deg if level_at(t) >= 2)
-    assert during and set(during) == {"b"}, during
+    # (b shares the one executor with slow a, so its own controller cuts its limit too; when
+    # b is full, a keeps serving the request rather than refusing it)
+    assert during["b"] >= 0.8 * sum(during.values()), during
     after = [h for t, h in deg if t > t_back and level_at(t) < 2]
     assert after and set(after) == {"a"}, after
     assert max(lv for _, lv in levels) >= 2 and levels[-1][1] < 2, levels
@@ -260,11 +262,12 @@ def test_overload_sends_degradable_traffic_to_the_fallback_and_back_once_load_fa
 def test_overload_spills_degradable_requests_to_the_fallback_and_the_ladder_follows():
     """Acceptance (issue 7), by load alone: a flood beyond model a's capacity sends the
     degradable tenant's requests that a has no room for to b (the other tenant's get 429);
-    the refusals climb a's ladder to level 2 (/ready: degraded), which sends all degradable
+    queueing pushes a's TTFT over target, the controller cuts its limit, and refusals under
+    the cut limit climb a's ladder to level 2 (/ready: degraded), which sends all degradable
     traffic to b; once the flood stops a comes back to level 0 and serves everyone."""
     srv = InProcessServer(models={"a": FakeRunner(step_seconds=0.02), "b": FakeRunner()},
-                          tenants=TENANTS, fallbacks=(("a", "b"),), slo_ttft_ms=2000,
-                          max_num_seqs=4, max_waiting=4)
+                          tenants=TENANTS, fallbacks=(("a", "b"),), slo_ttft_ms=80,
+                          max_num_seqs=4, max_waiting=8)
     lane = srv.server.admission.lanes["a"]
 
     async def main():
@@ -292,7 +295,6 @@ def test_overload_spills_degradable_requests_to_the_fallback_and_the_ladder_foll
                 await asyncio.sleep(0.1)
             code, state = await ready(s, srv.url)
             assert code == 200 and state["status"] == "degraded" and state["level"] >= 2
-            assert "capacity" in state["models"]["a"]["reason"]
             flood.set()  # the load falls: one client per tenant goes on
             await asyncio.gather(*crowd)
             deadline = time.monotonic() + 40
@@ -409,6 +411,31 @@ def test_a_model_whose_traffic_all_went_to_the_fallback_still_steps_back_down():
                 await asyncio.sleep(0.2)
                 assert (await complete(s, srv.url, "a", DEG))[0] == 200
             assert (await complete(s, srv.url, "a", DEG))[1] == "a"
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+
+
+def test_a_model_that_fails_again_soon_after_a_probe_waits_twice_as_long(monkeypatch):
+    """A probe can pass where real traffic fails (here: any step with token 5 fails, the
+    probe's prompt has none): the model must not flap at the first probe's pace."""
+    monkeypatch.setattr("tinyserve.server.PROBE_S", 0.2)
+    poisoned = FakeRunner(poison=5)
+    srv = InProcessServer(models={"a": poisoned, "b": FakeRunner()}, max_failed_steps=2)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            delays = []
+            for _ in range(3):
+                while srv.server.supervisor.down.get("a") is None:
+                    await complete(s, srv.url, "a")  # prompt [1, 5, 9]: fails
+                delays.append(srv.server._probe_delay["a"])
+                while srv.server.supervisor.down.get("a") is not None:
+                    await asyncio.sleep(0.05)  # the probe passes
+            assert delays == [0.2, 0.4, 0.8]
+            assert (await complete(s, srv.url, "b"))[0] == 200
 
     try:
         asyncio.run(main())

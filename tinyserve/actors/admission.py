@@ -187,27 +187,27 @@ class Admission:
 
     def _degrade(self, lane: Lane, msg: Submit
                  ) -> tuple[Lane, Submit, str, tuple[str, Failed] | None]:
-        """Fallback and the degradation ladder (see core/slo.py): reroute degradable tenants
-        away from a model that is degraded (level 2+) or down, shed by priority, cap
-        degradable tenants' completions."""
+        """Fallback and the degradation ladder (see core/slo.py): a degradable tenant leaves a
+        model that is down, degraded to level 2+, or would shed it, for the fallback when that
+        can take it (up, room, fits, would not shed it); then shed by priority, and cap
+        degradable tenants' completions at level 2+ (of the model that serves them)."""
         tenant = self._tenants[msg.tenant]
-        capped = tenant.degradable and lane.slo.level >= 2
-        why = "down" if lane.down else "degraded" if lane.slo.level >= 2 else ""
+        why = ("down" if lane.down else "degraded" if lane.slo.level >= 2 or self._shed(
+            lane, tenant) else "")
         if why and tenant.degradable and lane.fallback is not None:
             other = self.lanes[lane.fallback]
-            max_tokens = min(msg.params.max_tokens, DEGRADED_MAX_TOKENS) if capped else \
-                msg.params.max_tokens
-            if other.down is None and len(msg.prompt_token_ids) + max_tokens <= other.max_model_len:
-                lane = other
-                msg = msgspec.structs.replace(msg, model=other.name)
+            moved = _capped(msg) if lane.slo.level >= 2 or other.slo.level >= 2 else msg
+            if (other.down is None and not other.full and not self._shed(other, tenant) and
+                    len(moved.prompt_token_ids) + moved.params.max_tokens <= other.max_model_len):
+                return other, msgspec.structs.replace(moved, model=other.name), why, None
         if lane.down:
             return lane, msg, why, ("unavailable", Failed(
                 503, f"the model {lane.name} is unavailable ({lane.down})", retry_after=5.0))
-        capped = capped or (tenant.degradable and lane.slo.level >= 2)
         if self._shed(lane, tenant):
             return lane, msg, why, ("degraded", Failed(
                 503, f"the server is degraded ({lane.slo.reason}): priority {tenant.priority} "
                 "requests are shed for now", retry_after=5.0))
+        capped = tenant.degradable and lane.slo.level >= 2
         return lane, (_capped(msg) if capped else msg), why, None
 
 

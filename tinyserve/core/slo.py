@@ -16,8 +16,10 @@ this pause the limit overshot far below what the server can serve in time).
 A limit that cannot go lower, or 3 overloaded windows in a row, escalate the degradation
 level; 3 comfortable windows at the full limit, with nobody turned away, de-escalate it. A
 window is overloaded when it violates a target, or when admission turned requests away for
-capacity during it (``pressure``: its running count of such refusals) - the server then meets
-its targets only by refusing work, which is what the ladder exists to make selective.
+capacity during it (``pressure``: its running count of such refusals) while the limit was
+cut below its maximum - the server then meets its targets only by refusing work, which is
+what the ladder exists to make selective. Refusals at the full limit are ordinary
+back-pressure and change nothing.
 Levels (what admission does):
 
     0 normal
@@ -108,7 +110,10 @@ class SloController:
         ttft, itl = p95(self._ttft), p95(self._itl)
         self._ttft, self._itl = [], []
         refused, self._refused = self._refused, self.pressure()
-        refusing = self._refused > refused
+        # Refusals at the full limit are plain back-pressure (the server is as busy as it was
+        # configured to be, and on target); under a cut limit they mean it keeps its targets
+        # only by turning work away.
+        refusing = self._refused > refused and self.limit < self.max_limit
         if ttft is None and itl is None and not refusing and not idle:
             return None  # busy, but nothing finished a first token: no evidence either way
         if self._pause:
@@ -127,7 +132,8 @@ class SloController:
                 self._set_level(self.level + 1, "P95 over target")
                 self._bad = 0
         else:
-            comfortable = all(v < COMFORT * t for v, t in over)
+            # (no samples: calm only if the model is idle - a busy window proves nothing)
+            comfortable = all(v < COMFORT * t for v, t in over) if over else idle
             if comfortable:
                 self.limit = min(self.max_limit, self.limit + max(1, self.limit // 8))
             if refusing:
