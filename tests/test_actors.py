@@ -17,7 +17,15 @@ from tinyserve.actors.metrics import Metrics
 from tinyserve.core.engine import CoreConfig, EngineCore
 from tinyserve.engine.demo import write_tokenizer
 from tinyserve.engine.tokenizer import Tokenizer
-from tinyserve.messages import Abort, Accepted, Failed, SamplingParams, StepResult, Submit
+from tinyserve.messages import (
+    Abort,
+    Accepted,
+    Failed,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    Submit,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +53,18 @@ class Graph:
 
     def _fake_step(self, plan):
         time.sleep(self.step_seconds)
+        live = []
         for s in plan.seqs:  # the fake KV executor checks tokens against the sequence
-            seq = self.core.scheduler.seqs[s.seq_id]
-            self.fake.tokens_by_seq[s.seq_id] = seq.token_ids
-        result = self.fake.execute(plan)
+            # (read from the worker thread: with overlap the loop may have finished, preempted
+            # or advanced the sequence since this step was planned; a stale entry's result is
+            # dropped by the scheduler, so the fake skips it rather than check its KV)
+            seq = self.core.scheduler.seqs.get(s.seq_id)
+            if seq is None or seq.num_preemptions != s.epoch:
+                continue
+            self.fake.tokens_by_seq[s.seq_id] = list(seq.token_ids[:s.start_pos]) + list(
+                s.token_ids)
+            live.append(s)
+        result = self.fake.execute(StepPlan(plan.step_id, tuple(live)))
         # byte-level demo vocabulary: keep tokens printable and away from EOS
         outs = tuple(type(o)(o.seq_id, 97 + o.token_id % 26, o.logprob) for o in result.outputs)
         return StepResult(plan.step_id, outs)

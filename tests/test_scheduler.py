@@ -364,3 +364,83 @@ def test_a_higher_priority_arrival_takes_blocks_from_lower_ones_when_the_pool_is
     assert {s.seq_id: (tuple(s.output_token_ids), s.finish_reason) for s in low + [high]} \
         == reference
     assert sched.kv.pool.usage == 0.0
+
+
+# -- planning ahead (the server's overlap: a step planned while the previous one runs) ------
+
+
+class EosExecutor(FakeExecutor):
+    """Ends about one sequence in five early with EOS (a function of its tokens, as above)."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = super().execute(plan)
+        return StepResult(plan.step_id, tuple(
+            SeqOutput(o.seq_id, EOS if o.token_id % 5 == 0 else o.token_id, o.logprob)
+            for o in result.outputs))
+
+
+def run_ahead(sched, ex, seqs, on_plan=None):
+    """Like ``run``, but with two steps in flight, as the server's batcher keeps them: step
+    N+1 is planned before step N's result is applied, its placeholder tokens filled in from
+    step N's output the way the executor does."""
+    import collections
+
+    from tinyserve.messages import PLACEHOLDER
+
+    for s in seqs:
+        sched.add(s)
+        ex.tokens_by_seq[s.seq_id] = s.token_ids
+    in_flight, sampled, steps = collections.deque(), {}, 0
+    while sched.has_unfinished or in_flight:
+        while len(in_flight) < 2 and sched.has_unfinished:
+            plan = sched.schedule()
+            if plan is None:
+                break
+            if on_plan:
+                on_plan(plan)
+            in_flight.append(plan)
+        assert in_flight, "no progress with work pending"
+        plan = in_flight.popleft()
+        filled = []
+        for s in plan.seqs:
+            if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+                if s.seq_id not in sampled:
+                    continue  # (its sequence ended with the step before)
+                s = type(s)(**{**{f: getattr(s, f) for f in s.__struct_fields__},
+                               "token_ids": s.token_ids[:-1] + (sampled[s.seq_id],)})
+            assert PLACEHOLDER not in s.token_ids
+            filled.append(s)
+        result = ex.execute(StepPlan(plan.step_id, tuple(filled)))
+        sampled = {o.seq_id: o.token_id for o in result.outputs}
+        sched.update(plan, result)
+        sched.kv.pool.check_integrity()
+        steps += 1
+        assert steps < 10_000
+    return {s.seq_id: (tuple(s.output_token_ids), s.finish_reason) for s in seqs}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(budget=5, max_num_seqs=3),  # chunked prefill behind decodes
+    dict(num_blocks=12, block_size=4, max_model_len=32),  # preemption under a tiny pool
+    dict(num_blocks=20, block_size=4, max_model_len=40, budget=7),
+], ids=["plain", "chunked", "preempting", "both"])
+@pytest.mark.parametrize("executor", [FakeExecutor, EosExecutor])
+def test_planning_ahead_gives_the_same_outputs_and_frees_every_block(kw, executor):
+    def requests():
+        return create_requests(8, num_tokens=14, max_tokens=12) + create_requests(
+            3, num_tokens=5, max_tokens=1, start_id=50, shared_prefix=tuple(range(200, 216)))
+
+    sched, _ = make_scheduler(**kw)
+    solo_plans = []
+    alone = run(sched, executor(sched.kv.block_size), requests(), on_step=solo_plans.append)
+    sched, _ = make_scheduler(**kw)
+    plans = []
+    ahead = run_ahead(sched, executor(sched.kv.block_size), requests(), on_plan=plans.append)
+    assert ahead == alone
+    assert sched.kv.pool.usage == 0.0 and not sched.seqs
+    # It really planned ahead: some step read a token its predecessor had not returned yet.
+    assert any(-1 in s.token_ids for p in plans for s in p.seqs)
+    if executor is FakeExecutor and not sched.num_preemptions:
+        # Finishing by length is foreseen: planning ahead computes no token in vain.
+        assert sum(p.num_tokens for p in plans) == sum(p.num_tokens for p in solo_plans)

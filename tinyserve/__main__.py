@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-timeout-ms", type=float, default=0.0,
                    help="how long an idle engine waits for more requests before starting a "
                         "batch; trades first-token latency for throughput under bursts")
+    c.add_argument("--no-overlap", action="store_true",
+                   help="plan each step only after the previous one returned (by default the "
+                        "next step is planned while one runs, so the device never waits for "
+                        "the server between steps)")
     c.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to queue beyond --max-num-seqs; more get 429")
     k = p.add_argument_group("KV cache")
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             tenants=tenants, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
             host=args.host, port=args.port,
             api_key=args.api_key, max_waiting=args.max_waiting,
-            batch_timeout_ms=args.batch_timeout_ms, drain_timeout_s=args.drain_timeout,
+            batch_timeout_ms=args.batch_timeout_ms, overlap=not args.no_overlap,
+            drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level)
         Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks

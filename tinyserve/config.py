@@ -276,6 +276,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     max_waiting: int = 256  # requests queued beyond max_num_seqs before 429s
     batch_timeout_ms: float = 0.0  # how long an idle engine waits to batch new arrivals
+    overlap: bool = True  # plan each step while the previous one runs (async scheduling)
     drain_timeout_s: float = 30.0  # SIGTERM: time running requests get to finish
     step_timeout_s: float = 60.0  # a step running longer is a wedged device: unhealthy
     max_failed_steps: int = 3  # this many failed steps in a row: unhealthy

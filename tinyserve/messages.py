@@ -87,8 +87,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 # -- Batcher <-> Executor ---------------------------------------------------------------------
 
 
+PLACEHOLDER = -1  # a token sampled by the model's previous step, not known when planned
+
+
 class ScheduledSeq(msgspec.Struct, frozen=True):
-    """One sequence's share of a step: compute ``token_ids`` at positions start_pos.. ."""
+    """One sequence's share of a step: compute ``token_ids`` at positions start_pos.. .
+    A PLACEHOLDER token (only ever the last) is the token this sequence's previous step
+    samples; the executor fills it in before the step runs."""
 
     seq_id: int
     token_ids: tuple[int, ...]  # the tokens whose K/V this step computes
@@ -97,6 +102,7 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     sample: bool  # the chunk reaches the end of the sequence: draw its next token
     params: SamplingParams
     seed: int  # this draw's seed (mix_seed(request seed, tokens drawn so far))
+    epoch: int = 0  # the sequence's preemption count when planned: older results are stale
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag=True):
@@ -113,6 +119,10 @@ class SeqOutput(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+class PlanAhead(msgspec.Struct, frozen=True, tag=True):
+    """Batcher to itself (a timer): time to plan the step behind the one running."""
 
 
 class StepResult(msgspec.Struct, frozen=True, tag=True):

@@ -7,11 +7,14 @@ from loadtest.bench_slo import run
 
 
 def test_slo_control_keeps_ttft_and_goodput_under_twice_the_capacity():
-    without = run(phase_seconds=12, slo_ttft_ms=None)
-    with_slo = run(phase_seconds=12, slo_ttft_ms=400)
+    # Short 1x and 1.5x phases, a long 2x phase judged after 12 s (the limit comes down from
+    # 264 by x0.7 every other window: 9-11 s here): 20 windows, so "95%" allows one miss (a
+    # second of hiccup on a shared CI machine) instead of none.
+    without = run(phase_seconds=6, slo_ttft_ms=None, last_phase_seconds=32, converge_s=12)
+    with_slo = run(phase_seconds=6, slo_ttft_ms=400, last_phase_seconds=32, converge_s=12)
     met, windows = with_slo["windows_meeting_target"]
     print(f"\nwithout: {without}\nwith:    {with_slo}")
-    assert windows >= 6 and met >= 0.95 * windows, with_slo
+    assert windows >= 18 and met >= 0.95 * windows, with_slo
     assert with_slo["goodput_per_s"] >= 1.5 * without["goodput_per_s"], (with_slo, without)
     for r in (without, with_slo):
         assert r["lost"] == 0 and not any(r["idle_after"].values())

@@ -1,8 +1,13 @@
 """Batcher actor: owns every request's state and drives the engine step loop (one per model).
 
 Its inbox takes Submit, Abort, AbortAll and StepResult. Each turn it applies everything
-queued, and if no step is in flight it schedules the next one (continuous batching: running
-decodes plus as much prefill as the token budget allows) and hands it to the executor.
+queued, and keeps the executor fed: with ``overlap`` (the default) two steps in flight, the
+one running and the next, planned from what the scheduler will know once the running one
+returns (its sampled tokens are placeholders the executor fills in) - so detokenizing, stop
+strings, replies and metrics for one step happen while the next one computes. Continuous
+batching: running decodes plus as much prefill as the token budget allows. A sequence that
+finishes on a step (EOS, a stop string) is usually in the step after it too; that token is
+dropped (its result is stale), as in vLLM's async scheduling.
 Results come back to the same inbox, so request state is only ever touched here, on the event
 loop. Each request is one ``Request`` object in ``core.requests``, keyed by the server's id.
 
@@ -19,6 +24,7 @@ from ingress (aborts) and admission can never find it full.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
@@ -31,6 +37,7 @@ from tinyserve.messages import (
     AbortAll,
     Failed,
     Output,
+    PlanAhead,
     RequestFinished,
     StepPlan,
     StepResult,
@@ -40,6 +47,8 @@ from tinyserve.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+PLAN_AHEAD = 0.6  # plan the next step this far into the running one (of its expected time)
 
 
 def reply(req: Request, msg: Output | Failed) -> None:
@@ -55,7 +64,8 @@ def reply(req: Request, msg: Output | Failed) -> None:
 class Batcher:
     def __init__(self, core: EngineCore, executor_inbox: asyncio.Queue, metrics: Metrics,
                  capacity: int, batch_timeout_ms: float = 0.0,
-                 slo: SloController | None = None, model: str = "") -> None:
+                 slo: SloController | None = None, model: str = "", overlap: bool = True
+                 ) -> None:
         self.model = model  # the served model whose requests and steps these are
         self.core = core
         # Fed every first token and inter-token gap; admission reads its limit and level.
@@ -65,7 +75,13 @@ class Batcher:
         self._batch_timeout = batch_timeout_ms / 1000.0
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=2 * capacity + 8)
         self.aborts_received = 0  # read by admission: Aborts still queued count against capacity
-        self._in_flight: StepPlan | None = None
+        # Steps handed to the executor, oldest first: with overlap, the next step is planned
+        # while one runs, so the executor goes from one to the next without waiting for us.
+        self._in_flight: collections.deque[StepPlan] = collections.deque()
+        self._depth = 2 if overlap else 1
+        self._step_s = 0.0  # moving average of a step's time on the executor
+        self._ahead_due = False  # time to plan the step behind the one in flight
+        self._ahead_gen = 0
 
     # -- queries (snapshots for other actors) ------------------------------------------------
     @property
@@ -87,16 +103,41 @@ class Batcher:
             self._handle(msg)
             while not self.inbox.empty():
                 self._handle(self.inbox.get_nowait())
-            if self._in_flight is None and self.core.has_unfinished:
+            if not self._in_flight and self.core.has_unfinished:
                 await self._wait_for_company()
-                if self._in_flight is None and self.core.has_unfinished:
+                if not self._in_flight and self.core.has_unfinished and self._launch():
+                    self._plan_ahead_later()
+            if len(self._in_flight) == 1 and self._ahead_due:
+                self._ahead_due = False
+                if self.core.has_unfinished:
                     self._launch()
+
+    def _plan_ahead_later(self) -> None:
+        """The step in flight has just started: plan the next one shortly before it is due
+        to end (PLAN_AHEAD of its expected time), so that requests arriving meanwhile still
+        make it in. Late, the executor waits a little; too early, arrivals wait a step."""
+        if self._depth < 2:
+            return
+        self._ahead_gen += 1
+        self._ahead_due = False
+        gen = self._ahead_gen
+        delay = PLAN_AHEAD * self._step_s
+        asyncio.get_running_loop().call_later(delay, self._due, gen)
+
+    def _due(self, gen: int) -> None:
+        if gen == self._ahead_gen:  # (an older timer, for a step already over, does nothing)
+            self._ahead_due = True
+            self.inbox.put_nowait(PlanAhead())  # wakes the loop (the inbox has room for it)
 
     def _handle(self, msg) -> None:
         try:
             match msg:
                 case StepResult():
                     self._on_result(msg)
+                    if self._in_flight:  # the step planned behind it starts now
+                        self._plan_ahead_later()
+                case PlanAhead():
+                    pass  # (the loop looks at _ahead_due)
                 case Submit():
                     self._on_submit(msg)
                 case Abort():
@@ -126,21 +167,25 @@ class Batcher:
             except TimeoutError:
                 return
             self._handle(msg)
-            if self._in_flight is not None or not self.core.has_unfinished:
+            if self._in_flight or not self.core.has_unfinished:
                 return
 
-    def _launch(self) -> None:
+    def _launch(self) -> bool:
+        """Plan a step and hand it to the executor; False if there was nothing to plan."""
         plan = self.core.schedule()  # raises only on a bug: the supervisor handles it
         if plan is None:
-            log.error("scheduler returned no step with %d requests pending", self.num_requests)
-            return
+            if not self._in_flight:  # (with a step in flight: all that is left is in it)
+                log.error("scheduler returned no step with %d requests pending",
+                          self.num_requests)
+            return False
         now = time.monotonic()
         for s in plan.seqs:
             req = self.core.requests[s.seq_id]
             if req.first_scheduled is None:
                 req.first_scheduled = now
-        self._in_flight = plan
-        self._executor_inbox.put_nowait((self.model, plan))  # a slot per model: never full
+        self._in_flight.append(plan)
+        self._executor_inbox.put_nowait((self.model, plan))  # two slots per model: never full
+        return True
 
     # -- messages ----------------------------------------------------------------------------
     def _on_submit(self, msg: Submit) -> None:
@@ -161,10 +206,13 @@ class Batcher:
         self._emit_stats(0)
 
     def _on_result(self, result: StepResult) -> None:
-        plan, self._in_flight = self._in_flight, None
-        if plan is None or plan.step_id != result.step_id:
+        if not self._in_flight or self._in_flight[0].step_id != result.step_id:
             log.error("batcher: unexpected result for step %d", result.step_id)
             return
+        plan = self._in_flight.popleft()
+        if result.seconds > 0:
+            self._step_s = 0.8 * self._step_s + 0.2 * result.seconds if self._step_s else \
+                result.seconds
         if result.error:
             log.error("step %d failed: %s", result.step_id, result.error)
         now = time.monotonic()

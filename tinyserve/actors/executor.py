@@ -1,13 +1,16 @@
 """Executor actor: runs each StepPlan on its model in a worker thread.
 
 The forward pass runs off the event loop, so /health and new requests are answered while a
-step computes. The inbox takes (model name, StepPlan); each model's batcher keeps at most one
-step in flight, so the inbox (one slot per model) is never full, and taking steps in arrival
-order runs the models in turn: a model whose step just ran queues its next one behind the
-others' (round robin over the models with work, one step each). A step that raises becomes a
-StepResult with ``error`` set; the actor keeps serving. ``busy_since`` and ``failures``
-(consecutive failed steps per model) are the snapshots the supervisor reads to see a wedged
-device or a failing model.
+step computes. The inbox takes (model name, StepPlan); each model's batcher keeps at most two
+steps in flight (the one running and the one planned behind it, so the worker never waits for
+the event loop between steps), so the inbox (two slots per model) is never full; the worker
+takes them round robin over the models with a step waiting, so busy models alternate step by
+step. A planned-ahead step holds PLACEHOLDER tokens where the step before it samples; the
+worker fills them in from that step's output, and hands each result straight to the model's
+batcher inbox.
+A step that raises becomes a StepResult with ``error`` set; the actor keeps serving.
+``busy_since`` and ``failures`` (consecutive failed steps per model) are the snapshots the
+supervisor reads to see a wedged device or a failing model.
 
 The worker is one daemon thread, not a ThreadPoolExecutor: a wedged step never returns, and
 the interpreter joins pool threads at exit, so a wedged pool thread would keep the process
@@ -17,17 +20,17 @@ the interpreter joins pool threads at exit, so a wedged pool thread would keep t
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 
-from tinyserve.messages import StepPlan, StepResult
+import msgspec
+
+from tinyserve.messages import PLACEHOLDER, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
-
-_STOP = None  # tells the worker thread to end
 
 
 class Executor:
@@ -35,13 +38,22 @@ class Executor:
         # Each model's ModelRunner.execute: owns that model's weights and KV tensors.
         self.runners = runners
         self.outboxes: dict[str, asyncio.Queue] = {}  # each model's batcher inbox (the server's)
-        self.inbox: asyncio.Queue[tuple[str, StepPlan]] = asyncio.Queue(maxsize=len(runners))
+        # Two slots per model: the step running and the one planned behind it.
+        self.inbox: asyncio.Queue[tuple[str, StepPlan]] = asyncio.Queue(maxsize=2 * len(runners))
         self.task: asyncio.Task | None = None
         # Set and cleared by the worker thread itself, so cancelling the task cannot hide a
         # step that is still running.
         self.busy_since: float | None = None  # time.monotonic() when the running step began
         self.failures = dict.fromkeys(runners, 0)  # consecutive failed steps, per model
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        # Worker thread only: each model's last step's sampled tokens, for the placeholders
+        # of the step planned behind it.
+        self._sampled: dict[str, dict[int, int]] = {name: {} for name in runners}
+        # Steps handed to the worker, per model; it takes them round robin over the models.
+        self._jobs: dict[str, collections.deque] = {name: collections.deque() for name in runners}
+        self._order = list(runners)
+        self._next = 0
+        self._ready = threading.Condition()
+        self._stopping = False
         self._thread = threading.Thread(target=self._worker, name="tinyserve-step", daemon=True)
 
     def start(self) -> asyncio.Task:
@@ -53,38 +65,80 @@ class Executor:
     def busy(self) -> bool:
         return self.busy_since is not None
 
+    def _take(self) -> tuple | None:
+        """The next step, round robin over the models that have one (None: stop)."""
+        with self._ready:
+            while True:
+                if self._stopping:
+                    return None
+                for i in range(len(self._order)):
+                    model = self._order[(self._next + i) % len(self._order)]
+                    if self._jobs[model]:
+                        self._next = (self._next + i + 1) % len(self._order)
+                        return self._jobs[model].popleft()
+                self._ready.wait()
+
     def _worker(self) -> None:
-        while (job := self._work.get()) is not _STOP:
-            model, plan, loop, done = job
+        while (job := self._take()) is not None:
+            model, plan, loop = job
             self.busy_since = time.monotonic()
             try:
-                result = self.runners[model](plan)
-                self.failures[model] = 0
+                plan = self._fill_placeholders(model, plan)
+                if plan.seqs:
+                    t0 = time.perf_counter()
+                    result = self.runners[model](plan)
+                    if not result.seconds:
+                        result = msgspec.structs.replace(result,
+                                                         seconds=time.perf_counter() - t0)
+                    self._sampled[model] = {o.seq_id: o.token_id for o in result.outputs}
+                    self.failures[model] = 0
+                else:  # all it held depended on a step that failed
+                    result = StepResult(plan.step_id, ())
             except Exception as e:  # a failed step must not take the server down
                 log.exception("%s: step %d failed", model, plan.step_id)
+                self._sampled[model] = {}
                 self.failures[model] += 1
                 result = StepResult(plan.step_id, (), error=f"{type(e).__name__}: {e}")
             finally:
                 self.busy_since = None
-            loop.call_soon_threadsafe(_resolve, done, result)
+            # Straight to the batcher's inbox (sized for it); the next job is already queued
+            # here, so the worker goes on without waiting for the loop.
+            try:
+                loop.call_soon_threadsafe(self.outboxes[model].put_nowait, result)
+            except RuntimeError:  # the loop is closed: the server is gone
+                return
+
+    def _fill_placeholders(self, model: str, plan: StepPlan) -> StepPlan:
+        """Put the tokens the model's previous step sampled where this plan could only hold a
+        place for them. A sequence whose token is missing (that step failed, and took the
+        sequence with it) is left out: its result is stale when it comes back anyway."""
+        if not any(s.token_ids and s.token_ids[-1] == PLACEHOLDER for s in plan.seqs):
+            return plan
+        sampled = self._sampled[model]
+        seqs = []
+        for s in plan.seqs:
+            if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+                token = sampled.get(s.seq_id)
+                if token is None:
+                    continue
+                s = msgspec.structs.replace(s, token_ids=s.token_ids[:-1] + (token,))
+            seqs.append(s)
+        return msgspec.structs.replace(plan, seqs=tuple(seqs))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             model, plan = await self.inbox.get()
-            done = loop.create_future()
-            self._work.put((model, plan, loop, done))
-            await self.outboxes[model].put(await done)
+            with self._ready:
+                self._jobs[model].append((model, plan, loop))
+                self._ready.notify()
 
     async def stop(self) -> None:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        self._work.put(_STOP)
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
         if self._thread.is_alive() and not self.busy:  # a busy thread may be wedged: leave it
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
-
-
-def _resolve(done: asyncio.Future, result: StepResult) -> None:
-    if not done.cancelled():
-        done.set_result(result)

@@ -68,6 +68,7 @@ CLIENT_ID = web.RequestKey("client_id", str)  # X-Request-Id: echoed and logged,
 OFF_LOOP_LOGPROBS = 256  # whole bodies with more logprob entries are shaped in a worker thread
 MAX_PARSING = 64  # requests reading / checking / tokenizing at once; the rest wait their turn
 WRITE_TIMEOUT_S = 30.0  # a streaming client that reads nothing for this long has gone
+MAX_BATCH = 64  # outputs one stream write may carry (a reader far behind catches up in steps)
 
 
 def _json(obj, status: int = 200) -> web.Response:
@@ -274,8 +275,8 @@ class Ingress:
                 return await self._stream(request, call, shaper)
             outs = []
             async with contextlib.aclosing(self._outputs(call)) as outputs:
-                async for out in outputs:
-                    outs.append(out)
+                async for batch in outputs:
+                    outs.extend(batch)
             if sum(len(o.tokens) for o in outs) > OFF_LOOP_LOGPROBS:
                 body = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: msgspec.json.encode(shaper.body(outs)))
@@ -309,18 +310,29 @@ class Ingress:
         call.lane = b.admission.lanes[first.model]
         call.accepted = True
 
-    async def _outputs(self, call: _Call) -> AsyncIterator[Output]:
-        """The request's outputs until the final one; a Failed becomes an ApiError."""
+    async def _outputs(self, call: _Call) -> AsyncIterator[list[Output]]:
+        """The request's outputs until the final one, in batches: whatever has queued up by
+        the time the reader comes back (a reader that lags behind the steps writes several
+        tokens at once, not one write per token). A Failed becomes an ApiError."""
         while True:
-            msg = await call.replies.get()
-            if isinstance(msg, Failed):
-                call.done = True
-                raise ApiError(msg.status, msg.message, msg.param, retry_after=msg.retry_after)
-            call.generated = msg.completion_tokens or call.generated
-            yield msg
-            if msg.finish_reason is not None:
-                call.done = True
-                return
+            msgs = [await call.replies.get()]
+            while not call.replies.empty() and len(msgs) < MAX_BATCH:
+                msgs.append(call.replies.get_nowait())
+            outs = []
+            for msg in msgs:
+                if isinstance(msg, Failed):
+                    call.done = True
+                    if outs:
+                        yield outs
+                    raise ApiError(msg.status, msg.message, msg.param,
+                                   retry_after=msg.retry_after)
+                call.generated = msg.completion_tokens or call.generated
+                outs.append(msg)
+                if msg.finish_reason is not None:
+                    call.done = True
+                    yield outs
+                    return
+            yield outs
 
     async def _stream(self, request: web.Request, call: _Call,
                       shaper: ChatShaper | CompletionShaper) -> web.StreamResponse:
@@ -328,21 +340,29 @@ class Ingress:
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Request-Id": request[CLIENT_ID], "X-Tinyserve-Model": call.lane.name})
         await resp.prepare(request)
+        transport = request.transport
 
-        async def send(obj) -> None:
+        async def send(chunks) -> None:
+            data = b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks)
+            if not data:
+                return
+            if transport is not None and not transport.get_write_buffer_size():
+                # The socket took everything so far: this write cannot wait on the reader
+                # (only a buffer over its high-water mark makes aiohttp wait), so it needs no
+                # timeout - the common case, and a timer per write is a tenth of the loop.
+                await resp.write(data)
+                return
             try:
                 async with asyncio.timeout(WRITE_TIMEOUT_S):
-                    await resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+                    await resp.write(data)
             except TimeoutError:  # it stopped reading: treat it as gone (aborts the request)
                 raise ConnectionResetError("the client stopped reading the stream") from None
 
-        for chunk in shaper.opening():
-            await send(chunk)
+        await send(shaper.opening())
         try:
             async with contextlib.aclosing(self._outputs(call)) as outputs:
-                async for out in outputs:
-                    for chunk in shaper.chunks(out):
-                        await send(chunk)
+                async for outs in outputs:
+                    await send([chunk for out in outs for chunk in shaper.chunks(out)])
         except ApiError as e:  # headers are sent: the error becomes the last event
             self._count_error(e)
             await resp.write(b"data: " + e.body() + b"\n\n")

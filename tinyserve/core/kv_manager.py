@@ -48,7 +48,8 @@ class KVCacheManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for ``num_new_tokens`` more tokens; False (nothing taken) if the pool is dry."""
-        need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_ids)
+        need = cdiv(seq.num_computed_tokens + seq.num_inflight + num_new_tokens,
+                    self.block_size) - len(seq.block_ids)
         if need <= 0:
             return True
         blocks = self.pool.allocate(need)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.sequence import SeqStatus, Sequence, mix_seed
-from tinyserve.messages import ScheduledSeq, StepPlan, StepResult
+from tinyserve.messages import PLACEHOLDER, ScheduledSeq, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        seq.num_inflight = seq.num_pending = 0
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
@@ -135,7 +136,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(self._to_compute(seq), budget)
+            if n <= 0:  # all of it is in flight, or the step in flight is its last
+                i += 1
+                continue
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()  # the lowest priority, newest
                 self._preempt(victim)
@@ -199,17 +203,34 @@ class Scheduler:
                 best = seq
         return best
 
+    def _to_compute(self, seq: Sequence) -> int:
+        """Tokens a running sequence still needs computed, beyond those in flight; 0 when the
+        steps in flight will already finish it by length (max_tokens, max_model_len)."""
+        drawn = seq.num_output_tokens + seq.num_pending
+        if seq.num_pending and (drawn >= seq.params.max_tokens
+                                or seq.num_tokens + seq.num_pending >= self.cfg.max_model_len):
+            return 0
+        return seq.num_tokens + seq.num_pending - seq.num_computed_tokens - seq.num_inflight
+
     def _plan_entry(self, seq: Sequence, n: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens
+        start = seq.num_computed_tokens + seq.num_inflight
+        end = start + n
         self.served[seq.tenant] += n
-        self.num_prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
-        return ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=tuple(seq.token_ids[start:start + n]), start_pos=start,
-            block_table=tuple(seq.block_ids), sample=start + n == seq.num_tokens,
-            params=seq.params, seed=mix_seed(seq.seed, seq.num_output_tokens))
+        self.num_prompt_tokens_computed += max(0, min(end, seq.num_prompt_tokens) - start)
+        known = tuple(seq.token_ids[start:end])
+        sample = end == seq.num_tokens + seq.num_pending
+        entry = ScheduledSeq(
+            seq_id=seq.seq_id, token_ids=known + (PLACEHOLDER,) * (n - len(known)),
+            start_pos=start, block_table=tuple(seq.block_ids), sample=sample,
+            params=seq.params, seed=mix_seed(seq.seed, seq.num_output_tokens + seq.num_pending),
+            epoch=seq.num_preemptions)
+        seq.num_inflight += n
+        seq.num_pending += sample
+        return entry
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        seq.num_inflight = seq.num_pending = 0  # (results of steps in flight are now stale)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -219,23 +240,27 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Apply a step's results; returns the sequences that got a token or failed with it.
 
-        Sequences aborted or preempted while the step ran are skipped: their blocks were
-        released and the result no longer applies to them.
+        Sequences finished, aborted or preempted while the step ran are skipped: their blocks
+        were released and the result no longer applies to them. Steps are applied in the order
+        they were planned.
         """
         live: dict[int, Sequence] = {}
         updated = []
         for s in plan.seqs:
             seq = self.seqs.get(s.seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING \
-                    or seq.num_computed_tokens != s.start_pos:
+            if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_preemptions != \
+                    s.epoch or seq.num_computed_tokens != s.start_pos:
                 continue
             if result.error is not None:  # the step's KV writes are suspect: end, don't retry
                 self.finish(seq, "error")
                 updated.append(seq)
                 continue
             seq.num_computed_tokens += len(s.token_ids)
+            seq.num_inflight -= len(s.token_ids)
             self.kv.commit(seq)
-            live[seq.seq_id] = seq
+            if s.sample:
+                seq.num_pending -= 1
+                live[seq.seq_id] = seq
         for out in result.outputs:
             seq = live.get(out.seq_id)
             if seq is None:

@@ -9,6 +9,11 @@ Counting vocabulary (as in nano-vllm / vLLM):
     |<------------------- num_tokens ------------------->|
     |<--- num_computed_tokens --->|<- still to compute ->|
     |<-- prefix hit -->|
+
+Planning a step while the previous one runs adds two counts: ``num_inflight`` tokens are
+being computed by steps not yet applied, and ``num_pending`` tokens will be sampled by them.
+The next step starts at num_computed_tokens + num_inflight and may read a pending token (a
+placeholder the executor fills in from the previous step's output).
 """
 
 from __future__ import annotations
@@ -42,7 +47,12 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix index
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # also the epoch of its planned steps: older results are stale
+    # Planned ahead (async scheduling): tokens in steps not yet applied, and tokens those steps
+    # will sample (their ids unknown until the step returns; the next step reads them from
+    # the step before it on the executor).
+    num_inflight: int = 0
+    num_pending: int = 0
     logprobs: list[tuple[float, tuple[tuple[int, float], ...] | None]] = field(default_factory=list)
     _block_hashes: list[bytes] = field(default_factory=list)
 

@@ -1,0 +1,92 @@
+"""Per-step serving overhead: how close the real server gets to its model's step rate.
+
+    python loadtest/bench_overhead.py [--streams 16 64 256] [--tokens 200] [--step-ms 10]
+                                      [--no-overlap]
+
+The real server in-process on a stand-in model whose step takes a fixed time (it sleeps), and
+N streaming HTTP clients in another process (so their parsing does not share our event loop),
+all started together, each asking for ``--tokens`` tokens (ignore_eos). The ideal wall time
+is one step per token: every stream's tokens come out of the same steps. Efficiency = ideal /
+measured wall time (first request sent to the last stream's [DONE]); the per-step overhead is
+(measured - ideal) / tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
+
+
+def _clients(url: str, streams: int, tokens: int, out: mp.Queue) -> None:
+    """In its own process: ``streams`` concurrent streaming completions -> (wall s, tokens)."""
+    import aiohttp
+
+    async def one(s: aiohttp.ClientSession, i: int) -> int:
+        body = {"model": "stories260k", "prompt": [1, 3 + i % 300], "max_tokens": tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        n = 0
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    n += 1
+        return n
+
+    async def main() -> tuple[float, int]:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn,
+                                         timeout=aiohttp.ClientTimeout(600)) as s:
+            await one(s, 0)  # warm the connection path
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(one(s, i) for i in range(streams)))
+            return time.perf_counter() - t0, sum(counts)
+
+    out.put(asyncio.run(main()))
+
+
+def run(streams: int, tokens: int = 200, step_ms: float = 10.0, overlap: bool = True) -> dict:
+    from tests.server.inprocess import FakeRunner, InProcessServer
+
+    srv = InProcessServer(FakeRunner(step_seconds=step_ms / 1000), max_model_len=tokens + 16,
+                          num_kv_blocks=streams * (-(-(tokens + 16) // 16)) + 16,
+                          max_num_seqs=max(streams, 1), max_num_batched_tokens=max(2048, 4 * streams),
+                          max_waiting=streams + 8, overlap=overlap)
+    try:
+        steps0 = srv.runner.steps
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        proc = ctx.Process(target=_clients, args=(srv.url, streams, tokens, out))
+        proc.start()
+        wall, chunks = out.get(timeout=900)
+        proc.join(30)
+        steps = srv.runner.steps - steps0
+    finally:
+        srv.stop()
+    ideal = tokens * step_ms / 1000
+    return {"streams": streams, "tokens": tokens, "step_ms": step_ms, "overlap": overlap,
+            "wall_s": round(wall, 3), "ideal_s": round(ideal, 3),
+            "efficiency": round(ideal / wall, 3),
+            "overhead_ms_per_step": round((wall - ideal) / tokens * 1000, 2),
+            "steps": steps, "sse_chunks": chunks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--no-overlap", action="store_true")
+    args = ap.parse_args()
+    for n in args.streams:
+        print(json.dumps(run(n, args.tokens, args.step_ms, not args.no_overlap)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

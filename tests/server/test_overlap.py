@@ -1,0 +1,121 @@
+"""The step loop's overlap (a step planned while the previous one runs) on the in-process
+server: the same answers with it on and off, stop strings and clients leaving while the next
+step is already in flight, failing steps, and the executor never waiting for the loop."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from tests.server.helpers import completion
+from tests.server.inprocess import FakeRunner, InProcessServer, next_token
+
+
+async def _answers(url: str, bodies: list[dict]) -> list[tuple[int, str, str, int]]:
+    async with aiohttp.ClientSession() as s:
+        async def one(body):
+            async with s.post(url + "/v1/completions", json=body) as r:
+                got = await r.json()
+                if r.status != 200:
+                    return r.status, "", "", 0
+                c = got["choices"][0]
+                return r.status, c["text"], c["finish_reason"], got["usage"]["completion_tokens"]
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def _workload() -> list[dict]:
+    bodies = []
+    for i in range(24):
+        prompt = [1, 3 + i, 40 + 2 * i]
+        kw = {}
+        if i % 3 == 0:  # a stop string from inside its own greedy text: ends it early
+            kw["stop"] = [_text_piece(prompt)]
+        bodies.append(completion(prompt, max_tokens=5 + i % 9, **kw))
+    return bodies
+
+
+def _text_piece(prompt: list[int]) -> str:
+    """The text of the fake model's 4th token for this prompt (a stop string it will hit)."""
+    from tinyserve.engine.tokenizer import Tokenizer
+    from tinyserve.models import STORIES260K
+
+    toks, last = list(prompt), prompt[-1]
+    for _ in range(4):
+        last = next_token(last, len(toks))
+        toks.append(last)
+    return Tokenizer(STORIES260K).decode([last]).strip() or "x"
+
+
+@pytest.mark.parametrize("step_seconds", [0.0, 0.01])
+def test_answers_are_the_same_with_overlap_on_and_off(step_seconds):
+    bodies = _workload()
+    results = {}
+    for overlap in (False, True):
+        srv = InProcessServer(FakeRunner(step_seconds=step_seconds), overlap=overlap,
+                              max_num_seqs=8, max_num_batched_tokens=16)
+        try:
+            results[overlap] = asyncio.run(_answers(srv.url, bodies))
+            assert srv.wait_idle()["kv_usage"] == 0
+        finally:
+            srv.stop()
+    assert results[True] == results[False]
+    assert all(status == 200 for status, *_ in results[True])
+    assert any(reason == "stop" for _, _, reason, _ in results[True])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_executor_runs_the_next_step_while_the_loop_is_busy(overlap):
+    """With overlap, the worker thread goes on to the step planned ahead without waiting for
+    the event loop: while the loop is stalled, another step starts. Without, none does."""
+    import time
+
+    runner = FakeRunner(step_seconds=0.02)
+    srv = InProcessServer(runner, max_num_seqs=4, overlap=overlap)
+    seen = []
+
+    def stall():  # runs on the server's loop: nothing else on it can run meanwhile
+        before = runner.steps
+        time.sleep(0.2)
+        seen.append(runner.steps - before)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(s.post(srv.url + "/v1/completions",
+                                                json=completion([1, 5], max_tokens=60)))
+            await asyncio.sleep(0.3)  # decoding by now
+            srv.loop.call_soon_threadsafe(stall)
+            r = await task
+            assert r.status == 200
+            await r.read()
+
+    try:
+        asyncio.run(main())
+    finally:
+        srv.stop()
+    assert seen and (seen[0] >= 1 if overlap else seen[0] == 0), seen
+
+
+def test_a_failing_step_with_a_step_planned_behind_it_fails_only_its_requests():
+    runner = FakeRunner(step_seconds=0.01)
+    srv = InProcessServer(runner, max_num_seqs=8)
+
+    async def main():
+        ok = await _answers(srv.url, [completion([1, 9], max_tokens=6)])
+        runner.fail_next = 1
+        got = await _answers(srv.url, [completion([1, 9 + i], max_tokens=12) for i in range(4)])
+        after = await _answers(srv.url, [completion([1, 9], max_tokens=6)])
+        return ok, got, after
+
+    try:
+        ok, got, after = asyncio.run(main())
+        assert srv.wait_idle()["kv_usage"] == 0
+        status = asyncio.run(_health(srv.url))
+    finally:
+        srv.stop()
+    assert {g[0] for g in got} <= {200, 500} and 500 in {g[0] for g in got}
+    assert after == ok and status == 200
+
+
+async def _health(url: str) -> int:
+    async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+        return r.status
