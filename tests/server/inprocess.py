@@ -78,9 +78,10 @@ class InProcessServer:
 
     def __init__(self, runner: FakeRunner | None = None, *, max_model_len: int = 128,
                  num_kv_blocks: int = 512, models: dict[str, FakeRunner] | None = None,
-                 **cfg) -> None:
+                 engine=None, **cfg) -> None:
         """``models``: several served models by name, each on its own fake runner (default:
-        one, ``stories260k``, on ``runner``)."""
+        one, ``stories260k``, on ``runner``). ``engine``: a real Engine to serve instead (as
+        ``stories260k``)."""
         self.runners = models or {"stories260k": runner or FakeRunner()}
         self.runner = next(iter(self.runners.values()))
         engine_keys = {"max_num_seqs", "max_num_batched_tokens", "block_size"}
@@ -88,6 +89,8 @@ class InProcessServer:
         scfg = ServerConfig(port=0, **{k: v for k, v in cfg.items() if k not in engine_keys})
         engines = {name: FakeEngine(r, max_model_len, num_kv_blocks, ecfg.block_size)
                    for name, r in self.runners.items()}
+        if engine is not None:
+            engines = {"stories260k": engine}
         self.loop = asyncio.new_event_loop()
         self.server = Server(scfg, [ModelSpec(name, ecfg) for name in self.runners], engines)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

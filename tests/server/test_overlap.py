@@ -119,3 +119,24 @@ def test_a_failing_step_with_a_step_planned_behind_it_fails_only_its_requests():
 async def _health(url: str) -> int:
     async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
         return r.status
+
+
+def test_the_real_model_answers_the_same_with_overlap_on_and_off(stories_dir):
+    """stories260k through the whole server (Triton kernels on the interpreter): greedy
+    answers, stop strings included, are identical with steps planned ahead and without."""
+    from tinyserve.config import EngineConfig
+    from tinyserve.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(stories_dir), num_kv_blocks=64, max_model_len=256))
+    bodies = [completion(p, max_tokens=12 + 3 * i, **({"stop": ["."]} if i % 2 else {}))
+              for i, p in enumerate(["Once upon a time", "The cat", "Lily and Ben went",
+                                     "One day, a big"])]
+    results = {}
+    for overlap in (False, True):
+        srv = InProcessServer(engine=engine, overlap=overlap, max_num_seqs=4)
+        try:
+            results[overlap] = asyncio.run(_answers(srv.url, bodies))
+        finally:
+            srv.stop()
+    assert results[True] == results[False]
+    assert all(status == 200 and text for status, text, _, _ in results[True])
