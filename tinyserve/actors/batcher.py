@@ -16,9 +16,10 @@ caught: the scheduler's state can no longer be trusted, so the task dies and the
 marks the server unhealthy and answers everyone waiting.
 
 Inbox capacity: 2 * (admission capacity) + 8. Admission counts a request from acceptance until
-its handler ends, plus its Abort until taken from here (see ``Admission.in_system``): at most
-about 2 * capacity Submits and Aborts, plus one StepResult and one AbortAll, so ``put_nowait``
-from ingress (aborts) and admission can never find it full.
+its handler ends, plus its Abort until taken from here (see ``Lane.in_system``): at most
+about 2 * capacity Submits and Aborts, plus two StepResults, a PlanAhead or two and one
+AbortAll, so ``put_nowait`` from ingress (aborts), admission and the executor never finds it
+full.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class Batcher:
         # while one runs, so the executor goes from one to the next without waiting for us.
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         self._depth = 2 if overlap else 1
-        self._step_s = 0.0  # moving average of a step's time on the executor
+        # Moving averages of a step's time on the executor: decode-only steps, and the rest
+        # (a prefill can take far longer than a decode; one average would time both badly).
+        self._step_s = {True: 0.0, False: 0.0}
         self._ahead_due = False  # time to plan the step behind the one in flight
         self._ahead_gen = 0
 
@@ -121,7 +124,8 @@ class Batcher:
         self._ahead_gen += 1
         self._ahead_due = False
         gen = self._ahead_gen
-        delay = PLAN_AHEAD * self._step_s
+        running = self._in_flight[0]
+        delay = PLAN_AHEAD * self._step_s[running.num_tokens == len(running.seqs)]
         asyncio.get_running_loop().call_later(delay, self._due, gen)
 
     def _due(self, gen: int) -> None:
@@ -211,8 +215,9 @@ class Batcher:
             return
         plan = self._in_flight.popleft()
         if result.seconds > 0:
-            self._step_s = 0.8 * self._step_s + 0.2 * result.seconds if self._step_s else \
-                result.seconds
+            kind = plan.num_tokens == len(plan.seqs)
+            old = self._step_s[kind]
+            self._step_s[kind] = 0.8 * old + 0.2 * result.seconds if old else result.seconds
         if result.error:
             log.error("step %d failed: %s", result.step_id, result.error)
         now = time.monotonic()

@@ -48,6 +48,10 @@ class Executor:
         # Worker thread only: each model's last step's sampled tokens, for the placeholders
         # of the step planned behind it.
         self._sampled: dict[str, dict[int, int]] = {name: {} for name in runners}
+        # ... and the sequences of its last step if that step failed: the batcher ends them,
+        # so their entries in the step planned behind it (a placeholder, or the next chunk of
+        # a prompt) must not run - they could fail the same way and take others with them.
+        self._failed: dict[str, frozenset[int]] = dict.fromkeys(runners, frozenset())
         # Steps handed to the worker, per model; it takes them round robin over the models.
         self._jobs: dict[str, collections.deque] = {name: collections.deque() for name in runners}
         self._order = list(runners)
@@ -84,6 +88,7 @@ class Executor:
             self.busy_since = time.monotonic()
             try:
                 plan = self._fill_placeholders(model, plan)
+                self._failed[model] = frozenset()
                 if plan.seqs:
                     t0 = time.perf_counter()
                     result = self.runners[model](plan)
@@ -97,6 +102,7 @@ class Executor:
             except Exception as e:  # a failed step must not take the server down
                 log.exception("%s: step %d failed", model, plan.step_id)
                 self._sampled[model] = {}
+                self._failed[model] = frozenset(s.seq_id for s in plan.seqs)
                 self.failures[model] += 1
                 result = StepResult(plan.step_id, (), error=f"{type(e).__name__}: {e}")
             finally:
@@ -104,19 +110,23 @@ class Executor:
             # Straight to the batcher's inbox (sized for it); the next job is already queued
             # here, so the worker goes on without waiting for the loop.
             try:
-                loop.call_soon_threadsafe(self.outboxes[model].put_nowait, result)
+                loop.call_soon_threadsafe(_deliver, self.outboxes[model], result)
             except RuntimeError:  # the loop is closed: the server is gone
                 return
 
     def _fill_placeholders(self, model: str, plan: StepPlan) -> StepPlan:
         """Put the tokens the model's previous step sampled where this plan could only hold a
-        place for them. A sequence whose token is missing (that step failed, and took the
-        sequence with it) is left out: its result is stale when it comes back anyway."""
-        if not any(s.token_ids and s.token_ids[-1] == PLACEHOLDER for s in plan.seqs):
+        place for them. A sequence of a previous step that failed, or whose token is missing,
+        is left out: the batcher has ended it, and its result here would be stale anyway."""
+        failed = self._failed[model]
+        if not failed and not any(s.token_ids and s.token_ids[-1] == PLACEHOLDER
+                                  for s in plan.seqs):
             return plan
         sampled = self._sampled[model]
         seqs = []
         for s in plan.seqs:
+            if s.seq_id in failed:
+                continue
             if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
                 token = sampled.get(s.seq_id)
                 if token is None:
@@ -142,3 +152,13 @@ class Executor:
             self._ready.notify()
         if self._thread.is_alive() and not self.busy:  # a busy thread may be wedged: leave it
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+
+def _deliver(outbox: asyncio.Queue, result: StepResult) -> None:
+    """On the loop: a result into the batcher's inbox. The inbox is sized for it; should it be
+    full anyway, wait for room rather than lose the result (the batcher would stall)."""
+    try:
+        outbox.put_nowait(result)
+    except asyncio.QueueFull:
+        log.error("batcher inbox full: step %d's result waits for room", result.step_id)
+        asyncio.get_running_loop().create_task(outbox.put(result))
