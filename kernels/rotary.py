@@ -78,7 +78,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
           f"cos/sin must be [max_pos, {Dh // 2}] with equal strides")
     if T == 0:
         return
-    adjacent = (q.stride() == k.stride() and q.stride(1) == Dh
+    # (one token: torch gives the size-1 token dimension whatever stride it likes, so the
+    # views of one fused qkv row differ there; that stride is never used)
+    adjacent = ((T == 1 or q.stride(0) == k.stride(0)) and q.stride(1) == k.stride(1) == Dh
                 and k.data_ptr() == q.data_ptr() + Hq * Dh * q.element_size())
     if adjacent:
         _launch(q, positions, cos, sin, Hq + k.shape[1])

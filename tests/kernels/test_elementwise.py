@@ -128,3 +128,29 @@ def test_rotary_on_separate_q_and_k_tensors(device):
     apply_rotary(q, k, pos, cos, sin)
     torch.testing.assert_close(q, q_ref)
     torch.testing.assert_close(k, k_ref)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_rotary_on_fused_qkv_is_one_launch_even_for_one_token(device, monkeypatch, T):
+    """q and k views of one fused qkv row are rotated by one launch; with one token torch
+    reports the views' (unused) token strides differently, which must not split it in two."""
+    from tinyserve.kernels import rotary
+
+    launches = []
+    real = rotary._launch
+    monkeypatch.setattr(rotary, "_launch", lambda *a: (launches.append(a[-1]), real(*a)))
+    Hq, Hk, Dh = 4, 2, 8
+    ang = torch.arange(16).float()[:, None] * torch.ones(Dh // 2)[None, :]
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh).to(device)
+    q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
+    k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
+    pos = torch.arange(T, device=device)
+    q_ref, k_ref = _ref_rotary(q, pos, cos, sin), _ref_rotary(k, pos, cos, sin)
+    apply_rotary(q, k, pos, cos, sin)
+    assert launches == [Hq + Hk]
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k, k_ref)
+    launches.clear()
+    apply_rotary(q.clone(), k.clone(), pos, cos, sin)  # separate tensors: one launch each
+    assert launches == [Hq, Hk]
