@@ -1,0 +1,111 @@
+"""Host time of one decode step at Llama-3-8B shapes, with every kernel launch stubbed out.
+
+    python loadtest/bench_host.py [--batch 1 64] [--context 4096] [--steps 20]
+
+It measures our Python - packing the plan into tensors, the launchers' grid math, checks and
+output allocations for 32 layers, sampling's bookkeeping - not Triton's launch path and not
+the kernels: ``JITFunction.run`` (and the interpreter's) returns at once. The weights are
+uninitialised CPU tensors of the real shapes (never touched, so they cost address space, not
+memory); the KV cache is a few blocks that every block table points into (never read). On
+the CPU the launchers take their interpreter configurations, which may differ a little from
+the GPU's in what they compute per launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                 num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                 rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
+                 tie_word_embeddings=False, bos_token_id=128000, eos_token_ids=(128001,),
+                 torch_dtype="bfloat16")
+
+
+def _stub_launches() -> int:
+    """Make every Triton kernel launch return at once; returns a launch counter's index."""
+    import triton.runtime.interpreter as interp
+    import triton.runtime.jit as jit
+
+    counter = [0]
+
+    def run(self, *args, **kwargs):
+        counter[0] += 1
+
+    jit.JITFunction.run = run
+    interp.InterpretedFunction.run = run
+    return counter
+
+
+def _runner(max_len: int):
+    import torch
+
+    from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
+    from tinyserve.engine.model import LlamaModel
+    from tinyserve.engine.runner import KVCacheSpec, ModelRunner
+
+    cfg = ModelConfig(**LLAMA3_8B)
+    D, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dt = torch.float16
+
+    def empty(*shape):
+        return torch.empty(*shape, dtype=dt)
+
+    layers = [LayerWeights(empty(D), Linear(empty(q + 2 * kv, D)), Linear(empty(D, q)), empty(D),
+                           Linear(empty(2 * I, D)), Linear(empty(D, I)))
+              for _ in range(cfg.num_layers)]
+    weights = LlamaWeights(empty(V, D), layers, empty(D), Linear(empty(V, D)))
+    cos, sin = rope_tables(cfg, max_len, "cpu")
+    spec = KVCacheSpec(8, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dt)
+    return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu")
+
+
+def run(batches=(1, 64), context: int = 4096, steps: int = 20) -> list[dict]:
+    from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
+
+    counter = _stub_launches()
+    runner = _runner(context + 16)
+    blocks = tuple(i % 8 for i in range(-(-(context + 1) // 16)))  # block ids within the pool
+    rows = []
+    for batch in batches:
+        greedy = SamplingParams(max_tokens=16, temperature=0.0)
+        seqs = tuple(ScheduledSeq(i, (1000 + i,), context, blocks, True, greedy, i)
+                     for i in range(batch))
+        plan = StepPlan(0, seqs)
+        runner.execute(plan)  # first call: imports, caches
+        times = []
+        launches0 = counter[0]
+        for step in range(steps):
+            t0 = time.perf_counter()
+            runner.execute(StepPlan(step + 1, seqs))
+            times.append(time.perf_counter() - t0)
+        rows.append({"batch": batch, "context": context, "layers": 32,
+                     "host_ms_median": round(1000 * statistics.median(times), 2),
+                     "host_ms_min": round(1000 * min(times), 2),
+                     "launches_per_step": (counter[0] - launches0) // steps})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    for row in run(args.batch, args.context, args.steps):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
