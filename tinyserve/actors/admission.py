@@ -67,8 +67,13 @@ class Lane:
             self.slo = SloController(None, None, self.capacity)
 
     @property
+    def limit(self) -> int:
+        """Requests it may hold now: its capacity, or the SLO controller's smaller limit."""
+        return min(self.capacity, self.slo.limit)
+
+    @property
     def full(self) -> bool:
-        return self.in_system() >= min(self.capacity, self.slo.limit)
+        return self.in_system() >= self.limit
 
     def in_system(self) -> int:
         """Requests holding a slot, from acceptance until their handler ends (a slow reader
@@ -113,9 +118,6 @@ class Admission:
         if tenant is not None:
             self.quotas.release(tenant, max(0, max_tokens - generated))
 
-    def in_system(self) -> int:
-        return sum(lane.in_system() for lane in self.lanes.values())
-
     async def run(self) -> None:
         while True:
             msg = await self.inbox.get()
@@ -145,7 +147,7 @@ class Admission:
                 lane, msg, why = *spill, "overload"
             else:
                 lane.refused += 1
-                refusal = "capacity", too_many(min(lane.capacity, lane.slo.limit))
+                refusal = "capacity", too_many(lane.limit)
         if refusal is not None:
             reason, failed = refusal
             self._emit(AdmissionRejected(msg.tenant, reason, lane.name))

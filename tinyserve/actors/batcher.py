@@ -63,7 +63,7 @@ def reply(req: Request, msg: Output | Failed) -> None:
 
 
 class Batcher:
-    def __init__(self, core: EngineCore, executor_inbox: asyncio.Queue, metrics: Metrics,
+    def __init__(self, core: EngineCore, executor_inbox, metrics: Metrics,
                  capacity: int, batch_timeout_ms: float = 0.0,
                  slo: SloController | None = None, model: str = "", overlap: bool = True
                  ) -> None:
@@ -71,7 +71,7 @@ class Batcher:
         self.core = core
         # Fed every first token and inter-token gap; admission reads its limit and level.
         self.slo = slo or SloController(None, None, capacity)
-        self._executor_inbox = executor_inbox
+        self._executor_inbox = executor_inbox  # the executor's: put_nowait((model, plan))
         self._metrics = metrics
         self._batch_timeout = batch_timeout_ms / 1000.0
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=2 * capacity + 8)
