@@ -15,7 +15,7 @@ from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
 from tinyserve.kernels.attention_decode import token_attention_paged  # noqa: E402
 from tinyserve.kernels.attention_prefill import context_attention_paged  # noqa: E402
 from tinyserve.kernels.embedding import gather_rows  # noqa: E402
-from tinyserve.kernels.kv_cache import write_kv_cache  # noqa: E402
+from tinyserve.kernels.kv_cache import update_block_table, write_kv_cache  # noqa: E402
 from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
 from tinyserve.kernels.rmsnorm import add_rmsnorm  # noqa: E402
 from tinyserve.kernels.rotary import apply_rotary  # noqa: E402
@@ -31,5 +31,6 @@ __all__ = [
     "sample",
     "silu_and_mul",
     "token_attention_paged",
+    "update_block_table",
     "write_kv_cache",
 ]

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, empty, launch, next_pow2
 
 
 @triton.jit
@@ -35,13 +35,13 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
           "x must be [T, 2I] with unit column stride")
     T, I = x.shape[0], x.shape[1] // 2
     if out is None:
-        out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+        out = empty((T, I), x.dtype, x.device)
     check(out.shape == (T, I) and out.stride(1) == 1, f"out must be [{T}, {I}]")
     if T == 0:
         return out
     block_t = min(64, next_pow2(T)) if INTERPRET else 1
     block_i = min(next_pow2(I), 16384 if INTERPRET else 2048)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(I, block_i))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), T, I,
+    grid = (cdiv(T, block_t), cdiv(I, block_i))
+    launch(_silu_and_mul_kernel, grid, x, out, x.stride(0), out.stride(0), T, I,
                                BLOCK_T=block_t, BLOCK_I=block_i)
     return out

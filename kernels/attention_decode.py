@@ -9,7 +9,8 @@ Stage 2 merges the splits:  out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),
 With a single split stage 1 writes ``out`` directly. ``split_size`` is fixed per process, so the
 split of a sequence depends on its own length only (batch invariant).
 Layouts: q, out [B, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables
-[B, max_blocks] int32; seq_lens [B] (including the query token, already in the cache).
+[B, max_blocks] int32, or [R, max_blocks] with ``table_rows`` [B] naming each sequence's row
+(a persistent table); seq_lens [B] (including the query token, already in the cache).
 """
 
 from __future__ import annotations
@@ -19,19 +20,20 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
-from tinyserve.kernels.utils import INTERPRET, check, dot_precision, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
 @triton.jit
 def _token_attention_paged_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, b_seq_len_ptr,
+    block_tables_ptr, table_rows_ptr, b_seq_len_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     sm_scale_log2, num_seqs, num_kv_heads, head_dim, split_size,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     SEQ_SLOTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     seq0 = tl.program_id(0).to(tl.int64) * SEQ_SLOTS
     pid_h = tl.program_id(1)
@@ -54,12 +56,16 @@ def _token_attention_paged_kernel(
         k_slot = tl.arange(0, KEYS).to(tl.int64) // BLOCK_N
         k_b = seq0 + k_slot
         k_len = tl.load(b_seq_len_ptr + k_b, mask=k_b < num_seqs, other=0).to(tl.int64)
+        if HAS_ROWS:  # sequence b's blocks are row table_rows[b] of a persistent table
+            k_row = tl.load(table_rows_ptr + k_b, mask=k_b < num_seqs, other=0).to(tl.int64)
+        else:
+            k_row = k_b
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.full([ROWS], 0.0, dtype=tl.float32)
         acc = tl.full([ROWS, COLS], 0.0, dtype=tl.float32)
         m_i, l_i, acc = attend_paged(
             q, row_len - 1, r_slot, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-            k_slot, k_b * stride_btb, tl.minimum(k_len, lo + split_size), kv_col_off, col_ok,
+            k_slot, k_row * stride_btb, tl.minimum(k_len, lo + split_size), kv_col_off, col_ok,
             lo, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, KEYS, BLOCK_SIZE, DOT_PREC)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows without keys in this split: not stored
         acc = acc / l_safe[:, None]
@@ -110,44 +116,48 @@ def default_split_size() -> int:
 def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                           sm_scale: float | None = None, out: torch.Tensor | None = None,
-                          split_size: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                          split_size: int | None = None, block_n: int | None = None,
+                          table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, Dh] -> out: [B, Hq, Dh]. ``max_seq_len`` (host int) sizes the split grid."""
     hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale)
     B = q.shape[0]
-    check(seq_lens.shape == (B,) and block_tables.shape[0] == B, "seq_lens/block_tables must be [B]")
+    check(seq_lens.shape == (B,), "seq_lens must be [B]")
+    check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
+          "block_tables must be [B, max_blocks], or table_rows [B]")
     if out is None:
-        out = torch.empty_like(q)
+        out = empty(q.shape, q.dtype, q.device)
     check(out.shape == q.shape and out.stride(2) == 1, "out must match q")
     if B == 0:
         return out
     block_n = block_n or (128 if INTERPRET else 32 if q.dtype == torch.float32 else 64)
     split_size = split_size or default_split_size()
     check(split_size % block_n == 0, "split_size must be a multiple of block_n")
-    num_splits = triton.cdiv(max_seq_len, split_size)
+    num_splits = cdiv(max_seq_len, split_size)
     single = num_splits == 1
     if single:  # stage 1 writes `out`; the partial buffers are never touched
         part_out = part_lse = out
         p_strides, l_strides = (0, 0, 0), (0, 0)
     else:
-        part_out = torch.empty((B, hp.num_heads, num_splits, hp.head_dim),
-                               dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, hp.num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_out = empty((B, hp.num_heads, num_splits, hp.head_dim), torch.float32, q.device)
+        part_lse = empty((B, hp.num_heads, num_splits), torch.float32, q.device)
         p_strides, l_strides = part_out.stride()[:3], part_lse.stride()[:2]
     # Interpreter: up to 16 sequences per program (cost ~ programs, not FLOPs). GPU: one.
     slots = min(16, next_pow2(B)) if INTERPRET else 1
     rows = max(16, slots * hp.heads_per_prog * hp.block_g)
-    _token_attention_paged_kernel[(triton.cdiv(B, slots), hp.kv_grid, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens,
+    launch(_token_attention_paged_kernel, (cdiv(B, slots), hp.kv_grid, num_splits),
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables,
+        table_rows if table_rows is not None else seq_lens, seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
         block_tables.stride(0), *p_strides, *l_strides,
         hp.sm_scale_log2, B, hp.num_kv_heads, hp.head_dim, split_size,
         GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
         SEQ_SLOTS=slots, ROWS=rows,
         BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, SINGLE_SPLIT=single,
+        HAS_ROWS=table_rows is not None,
         DOT_PREC=dot_precision(q.dtype), num_warps=4)
     if not single:
         block_h = next_pow2(hp.num_heads) if INTERPRET else 1
-        _merge_splits_kernel[(B, triton.cdiv(hp.num_heads, block_h))](
+        launch(_merge_splits_kernel, (B, cdiv(hp.num_heads, block_h)),
             part_out, part_lse, out, seq_lens, *p_strides, *l_strides,
             out.stride(0), out.stride(1), hp.num_heads, hp.head_dim, split_size,
             BLOCK_H=block_h, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(hp.head_dim))

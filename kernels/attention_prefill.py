@@ -10,8 +10,9 @@ cached prefix, so every key is read from the paged cache:
     out[t, h] = softmax_{n <= pos(t)}(q[t, h] . k[n, h // G] * scale) @ v[n, h // G]
 
 That one rule covers plain prefill, prefix-cache hits and chunked prefill. Layouts: q, out
-[T, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables [B, max_blocks] int32;
-seq_lens [B]; q_start [B + 1] (exclusive prefix sums of q_len).
+[T, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables [B, max_blocks] int32 (or
+[R, max_blocks] with ``table_rows`` [B] naming each sequence's row); seq_lens [B]; q_start
+[B + 1] (exclusive prefix sums of q_len).
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
-from tinyserve.kernels.utils import INTERPRET, check, dot_precision
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch
 
 
 @triton.jit
 def _context_attention_paged_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, b_seq_len_ptr, b_q_start_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, table_rows_ptr, b_seq_len_ptr,
+    b_q_start_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
     sm_scale_log2, num_kv_heads, head_dim,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -58,9 +60,13 @@ def _context_attention_paged_kernel(
         acc = tl.full([ROWS, COLS], 0.0, dtype=tl.float32)
         hi = tl.minimum(seq_len, ctx_len + (pid_m + 1) * BLOCK_M)
         zero_k = tl.full([BLOCK_N], 0, dtype=tl.int64)
+        if HAS_ROWS:  # sequence b's blocks are row table_rows[b] of a persistent table
+            table_row = tl.load(table_rows_ptr + b).to(tl.int64)
+        else:
+            table_row = b.to(tl.int64)
         m_i, l_i, acc = attend_paged(
             q, q_pos, r_tok * 0, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-            zero_k, zero_k + b.to(tl.int64) * stride_btb, zero_k + seq_len, kv_col_off, col_ok,
+            zero_k, zero_k + table_row * stride_btb, zero_k + seq_len, kv_col_off, col_ok,
             0, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, BLOCK_N, BLOCK_SIZE, DOT_PREC)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + m_idx)[:, None] * stride_ot + q_head[:, None] * stride_oh + c_d[None, :]
@@ -71,7 +77,8 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             q_start: torch.Tensor, max_q_len: int,
                             sm_scale: float | None = None, out: torch.Tensor | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None,
+                            table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, Dh] -> out: [T, Hq, Dh]. ``max_q_len`` (host int) sizes the grid.
 
     Tile sizes depend only on the model, never on the batch, so a row's numbers do not change
@@ -80,8 +87,10 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale)
     B = seq_lens.shape[0]
     check(q_start.shape == (B + 1,), "q_start must be [B + 1]")
+    check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
+          "block_tables must be [B, max_blocks], or table_rows [B]")
     if out is None:
-        out = torch.empty_like(q)
+        out = empty(q.shape, q.dtype, q.device)
     check(out.shape == q.shape and out.stride(2) == 1, "out must match q")
     if B == 0 or q.shape[0] == 0:
         return out
@@ -93,12 +102,13 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_m, default_n = max(1, 64 // hp.block_g), 64
     block_n = block_n or default_n
     check(block_n >= 16 and block_n & (block_n - 1) == 0, "block_n must be a power of two >= 16")
-    grid = (B, hp.kv_grid, triton.cdiv(max_q_len, block_m))
-    _context_attention_paged_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, q_start,
+    grid = (B, hp.kv_grid, cdiv(max_q_len, block_m))
+    launch(_context_attention_paged_kernel, grid,
+        q, k_cache, v_cache, out, block_tables,
+        table_rows if table_rows is not None else seq_lens, seq_lens, q_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
         block_tables.stride(0), hp.sm_scale_log2, hp.num_kv_heads, hp.head_dim,
         GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4)
+        HAS_ROWS=table_rows is not None, DOT_PREC=dot_precision(q.dtype), num_warps=4)
     return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, empty, launch, next_pow2
 
 
 @triton.jit
@@ -43,14 +43,14 @@ def gather_rows(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None
     check(table.dim() == 2 and table.stride(1) == 1, "table must be [V, D] with unit column stride")
     T, (V, D) = ids.shape[0], table.shape
     if out is None:
-        out = torch.empty((T, D), dtype=table.dtype, device=table.device)
+        out = empty((T, D), table.dtype, table.device)
     check(out.shape == (T, D) and out.stride(1) == 1, f"out must be [{T}, {D}]")
     if T == 0:
         return out
     # Interpreter: few, large programs (cost ~ programs x ops). GPU: one row, a wide slice per program.
     block_t = min(64, next_pow2(T)) if INTERPRET else 1
     block_d = min(next_pow2(D), 4096 if INTERPRET else 1024)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
-    _gather_rows_kernel[grid](ids, table, out, table.stride(0), out.stride(0), T, V, D,
+    grid = (cdiv(T, block_t), cdiv(D, block_d))
+    launch(_gather_rows_kernel, grid, ids, table, out, table.stride(0), out.stride(0), T, V, D,
                               BLOCK_T=block_t, BLOCK_D=block_d)
     return out

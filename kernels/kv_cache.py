@@ -1,4 +1,4 @@
-"""KV-cache write through a slot mapping.
+"""KV-cache write through a slot mapping, and the block-table update of a persistent table.
 
     k_cache.view(-1, Hk * Dh)[slot[t]] = k[t]      (and the same for v)
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, launch, next_pow2
 
 
 @triton.jit
@@ -53,6 +53,34 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     block_t = min(64, next_pow2(T)) if INTERPRET else 1
     block_hd = min(next_pow2(hd), 8192 if INTERPRET else 1024)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(hd, block_hd))
-    _write_kv_kernel[grid](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0),
+    grid = (cdiv(T, block_t), cdiv(hd, block_hd))
+    launch(_write_kv_kernel, grid, k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0),
                            T, hd, num_slots, BLOCK_T=block_t, BLOCK_HD=block_hd)
+
+
+@triton.jit
+def _scatter_table_kernel(table_ptr, upd_ptr, stride_row, n, num_rows, width, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = offs < n
+    row = tl.load(upd_ptr + 3 * offs, mask=ok, other=-1).to(tl.int64)
+    col = tl.load(upd_ptr + 3 * offs + 1, mask=ok, other=-1).to(tl.int64)
+    block = tl.load(upd_ptr + 3 * offs + 2, mask=ok, other=0)
+    ok = ok & (row >= 0) & (row < num_rows) & (col >= 0) & (col < width)
+    tl.store(table_ptr + row * stride_row + col, block.to(table_ptr.dtype.element_ty), mask=ok)
+
+
+def update_block_table(table: torch.Tensor, updates: torch.Tensor) -> None:
+    """table: [R, W] int32; updates: [n, 3] int (row, column, block id): table[row, col] = block.
+
+    The plan carries only a sequence's new blocks; this writes them into the persistent
+    device table. Out-of-range entries are skipped (the interpreter would write anywhere).
+    """
+    check(table.dim() == 2 and table.stride(1) == 1, "table must be [R, W] with unit column stride")
+    check(updates.dim() == 2 and updates.shape[1] == 3 and updates.is_contiguous(),
+          "updates must be a contiguous [n, 3]")
+    n = updates.shape[0]
+    if n == 0:
+        return
+    block = min(1024, next_pow2(n))
+    launch(_scatter_table_kernel, (cdiv(n, block),), table, updates, table.stride(0), n,
+           table.shape[0], table.shape[1], BLOCK=block)

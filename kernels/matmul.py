@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.utils import INTERPRET, check, dot_precision, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
 @triton.jit
@@ -82,14 +82,14 @@ def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     check(w.shape[1] == K, f"inner sizes differ: a is [{M}, {K}], w is {list(w.shape)}")
     check(a.device == w.device, "a and w must be on the same device")
     if out is None:
-        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+        out = empty((M, N), a.dtype, a.device)
     check(out.shape == (M, N), f"out must be [{M}, {N}]")
     if M == 0:
         return out
     bm, bn, bk, group_m = _tiles(N, K, a.dtype)
-    grid = ((triton.cdiv(M, bm), triton.cdiv(N, bn)) if group_m == 1
-            else (triton.cdiv(M, bm) * triton.cdiv(N, bn),))
-    _matmul_kernel[grid](
+    grid = ((cdiv(M, bm), cdiv(N, bn)) if group_m == 1
+            else (cdiv(M, bm) * cdiv(N, bn),))
+    launch(_matmul_kernel, grid,
         a, w, scale if scale is not None else w, out, M, N, K,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         W_INT8=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,

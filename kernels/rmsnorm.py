@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, empty, launch, next_pow2
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         check(residual.shape == x.shape and residual.stride(1) == 1, "residual must match x")
     if out is None:
-        out = torch.empty_like(x)
+        out = empty(x.shape, x.dtype, x.device)
     check(out.shape == x.shape and out.stride(1) == 1, "out must match x")
     if T == 0:
         return out
@@ -61,7 +61,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check(block_d <= 65536, f"hidden size {D} is too large for a single-block RMSNorm")
     block_t = min(64, next_pow2(T)) if INTERPRET else 1
     res = residual if residual is not None else x
-    _add_rmsnorm_kernel[(triton.cdiv(T, block_t),)](
+    launch(_add_rmsnorm_kernel, (cdiv(T, block_t),),
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), T, D, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4 if block_d <= 4096 else 8)

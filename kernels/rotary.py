@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, launch, next_pow2
 
 
 @triton.jit
@@ -54,8 +54,8 @@ def _launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     half = Dh // 2
     block_t = min(64, next_pow2(T)) if INTERPRET else 1
     block_h = next_pow2(num_heads) if INTERPRET else min(next_pow2(num_heads), 16)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(num_heads, block_h))
-    _rotary_kernel[grid](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
+    grid = (cdiv(T, block_t), cdiv(num_heads, block_h))
+    launch(_rotary_kernel, grid, x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
                          T, num_heads, half, cos.shape[0],
                          BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half))
 

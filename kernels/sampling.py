@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.utils import INTERPRET, check, next_pow2
+from tinyserve.kernels.utils import INTERPRET, cdiv, check, empty, launch, next_pow2
 
 
 @triton.jit
@@ -207,23 +207,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     for name, t, dt in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
                         ("top_p", top_p, torch.float32), ("seeds", seeds, torch.int64)):
         check(t.shape == (B,) and t.dtype == dt, f"{name} must be [{B}] {dt}")
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    tokens = empty((B,), torch.int64, logits.device)
+    logprobs = empty((B,), torch.float32, logits.device)
     if B == 0:
         return tokens, logprobs, None, None
     block_b = min(256, next_pow2(B)) if INTERPRET else 1
     block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
-    grid = (triton.cdiv(B, block_b),)
-    _sample_kernel[grid](
+    grid = (cdiv(B, block_b),)
+    launch(_sample_kernel, grid,
         logits, temperature, top_k, top_p, seeds, tokens, logprobs, logits.stride(0), B, V,
         APPLY_TOP_K=any_top_k and not all_greedy, APPLY_TOP_P=any_top_p and not all_greedy,
         ALL_GREEDY=all_greedy, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
     if num_top_logprobs <= 0:
         return tokens, logprobs, None, None
     n = min(num_top_logprobs, V)
-    top_ids = torch.empty((B, n), dtype=torch.int64, device=logits.device)
-    top_lp = torch.empty((B, n), dtype=torch.float32, device=logits.device)
-    _top_logprobs_kernel[grid](logits, logprobs, top_ids, top_lp, tokens,
+    top_ids = empty((B, n), torch.int64, logits.device)
+    top_lp = empty((B, n), torch.float32, logits.device)
+    launch(_top_logprobs_kernel, grid, logits, logprobs, top_ids, top_lp, tokens,
                                logits.stride(0), top_ids.stride(0), B, V, n,
                                BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
     return tokens, logprobs, top_ids, top_lp

@@ -1,6 +1,6 @@
 """Host time of one decode step at Llama-3-8B shapes, with every kernel launch stubbed out.
 
-    python loadtest/bench_host.py [--batch 1 64] [--context 4096] [--steps 20]
+    python loadtest/bench_host.py [--batch 1 64] [--context 4096] [--steps 20] [--enforce-eager]
 
 It measures our Python - packing the plan into tensors, the launchers' grid math, checks and
 output allocations for 32 layers, sampling's bookkeeping - not Triton's launch path and not
@@ -9,6 +9,11 @@ uninitialised CPU tensors of the real shapes (never touched, so they cost addres
 memory); the KV cache is a few blocks that every block table points into (never read). On
 the CPU the launchers take their interpreter configurations, which may differ a little from
 the GPU's in what they compute per launch.
+
+Steady-state decode: the first step sends every sequence's blocks, later ones none (as the
+scheduler does between block boundaries). By default a step takes the decode-bucket path
+(padded statics, replay of the recorded launches: what a CUDA graph captures on a GPU);
+``--enforce-eager`` runs every launcher instead.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def _stub_launches() -> int:
     return counter
 
 
-def _runner(max_len: int):
+def _runner(max_len: int, enforce_eager: bool):
     import torch
 
     from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
@@ -68,29 +73,34 @@ def _runner(max_len: int):
     weights = LlamaWeights(empty(V, D), layers, empty(D), Linear(empty(V, D)))
     cos, sin = rope_tables(cfg, max_len, "cpu")
     spec = KVCacheSpec(8, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dt)
-    return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu")
+    return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu", max_num_seqs=64,
+                       max_model_len=max_len, enforce_eager=enforce_eager)
 
 
-def run(batches=(1, 64), context: int = 4096, steps: int = 20) -> list[dict]:
+def run(batches=(1, 64), context: int = 4096, steps: int = 20,
+        enforce_eager: bool = False) -> list[dict]:
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
     counter = _stub_launches()
-    runner = _runner(context + 16)
+    runner = _runner(context + 16, enforce_eager)
     blocks = tuple(i % 8 for i in range(-(-(context + 1) // 16)))  # block ids within the pool
     rows = []
     for batch in batches:
         greedy = SamplingParams(max_tokens=16, temperature=0.0)
-        seqs = tuple(ScheduledSeq(i, (1000 + i,), context, blocks, True, greedy, i)
-                     for i in range(batch))
-        plan = StepPlan(0, seqs)
-        runner.execute(plan)  # first call: imports, caches
+        ids = range(batch * 1000, batch * 1000 + batch)
+        first = tuple(ScheduledSeq(i, (1000 + i,), context, blocks, True, greedy, i) for i in ids)
+        runner.execute(StepPlan(0, first))  # first call: imports, caches; all blocks sent
+        seqs = tuple(ScheduledSeq(i, (1000 + i,), context, (), True, greedy, i,
+                                  first_block=len(blocks)) for i in ids)
         times = []
         launches0 = counter[0]
         for step in range(steps):
             t0 = time.perf_counter()
             runner.execute(StepPlan(step + 1, seqs))
             times.append(time.perf_counter() - t0)
+        runner.execute(StepPlan(steps + 1, (), freed=tuple(ids)))
         rows.append({"batch": batch, "context": context, "layers": 32,
+                     "path": "eager" if enforce_eager else "decode bucket",
                      "host_ms_median": round(1000 * statistics.median(times), 2),
                      "host_ms_min": round(1000 * min(times), 2),
                      "launches_per_step": (counter[0] - launches0) // steps})
@@ -102,8 +112,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args()
-    for row in run(args.batch, args.context, args.steps):
+    for row in run(args.batch, args.context, args.steps, args.enforce_eager):
         print(json.dumps(row), flush=True)
 
 

@@ -64,7 +64,7 @@ class Graph:
             self.fake.tokens_by_seq[s.seq_id] = list(seq.token_ids[:s.start_pos]) + list(
                 s.token_ids)
             live.append(s)
-        result = self.fake.execute(StepPlan(plan.step_id, tuple(live)))
+        result = self.fake.execute(plan, {s.seq_id for s in live})
         # byte-level demo vocabulary: keep tokens printable and away from EOS
         outs = tuple(type(o)(o.seq_id, 97 + o.token_id % 26, o.logprob) for o in result.outputs)
         return StepResult(plan.step_id, outs)

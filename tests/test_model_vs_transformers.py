@@ -66,7 +66,7 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 def run_chunk(engine, seq_id, ids, start, blocks, all_rows=True):
     """Run tokens ids[start:] of one sequence; return logits for every computed row."""
     s = ScheduledSeq(seq_id=seq_id, token_ids=tuple(ids[start:]), start_pos=start,
-                     block_table=tuple(blocks), sample=True, params=SamplingParams(), seed=0)
+                     new_blocks=tuple(blocks), sample=True, params=SamplingParams(), seed=0)
     return run_step(engine, [s])[0]
 
 
@@ -74,7 +74,9 @@ def run_step(engine, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
     """One forward step over several sequences; logits for all rows, split per sequence."""
     runner = engine.runner
     ordered = sorted(seqs, key=lambda s: len(s.token_ids) != 1)
-    batch, _ = runner.pack(ordered)
+    rows, updates = runner.tables.apply((), ordered)  # (first_block 0: whole tables)
+    runner._push_updates(updates, statics=False)
+    batch, _ = runner.pack(ordered, rows)
     T = batch.input_ids.shape[0]
     batch = dataclasses.replace(batch, logits_indices=torch.arange(T, device=runner.device))
     logits = runner.model.forward(batch, runner.kv_cache)

@@ -30,19 +30,38 @@ class FakeExecutor:
         self.bs = block_size
         self.kv: dict[int, bytes] = {}
         self.tokens_by_seq: dict[int, list[int]] = {}
+        self.tables: dict[int, list[int]] = {}  # the runner's persistent block table
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def apply_tables(self, plan: StepPlan) -> None:
+        """What the runner does with a plan's block lists: rows of freed sequences go first;
+        an entry extends the row the runner holds exactly where the plan says it ends."""
+        for seq_id in plan.freed:
+            self.tables.pop(seq_id, None)
+        for s in plan.seqs:
+            if s.first_block == 0:
+                self.tables[s.seq_id] = list(s.new_blocks)
+            else:
+                table = self.tables[s.seq_id]
+                assert len(table) == s.first_block, (s.seq_id, len(table), s.first_block)
+                table.extend(s.new_blocks)
+
+    def execute(self, plan: StepPlan, only: set[int] | None = None) -> StepResult:
+        """``only``: the entries to run (all by default); the tables take every entry."""
+        self.apply_tables(plan)
         outs = []
         for s in plan.seqs:
+            if only is not None and s.seq_id not in only:
+                continue
             toks = self.tokens_by_seq[s.seq_id]
             end = s.start_pos + len(s.token_ids)
             assert list(s.token_ids) == toks[s.start_pos:end]
-            assert len(s.block_table) * self.bs >= end
+            table = self.tables[s.seq_id]
+            assert len(table) * self.bs >= end
             for p in range(s.start_pos):  # read: the cached context must be this sequence's
-                slot = s.block_table[p // self.bs] * self.bs + p % self.bs
+                slot = table[p // self.bs] * self.bs + p % self.bs
                 assert self.kv.get(slot) == fingerprint(toks[: p + 1]), (s.seq_id, p)
             for p in range(s.start_pos, end):  # write this step's tokens
-                slot = s.block_table[p // self.bs] * self.bs + p % self.bs
+                slot = table[p // self.bs] * self.bs + p % self.bs
                 self.kv[slot] = fingerprint(toks[: p + 1])
             if s.sample:
                 outs.append(SeqOutput(s.seq_id, int.from_bytes(fingerprint(toks[:end]), "big")

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "or enough for max-num-seqs full-length requests on CPU)")
     k.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse KV blocks of identical prompt prefixes")
+    k.add_argument("--enforce-eager", action="store_true",
+                   help="no decode buckets: no padding, no recorded launches, no CUDA graphs")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching)
+            enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
         models = build_models(engine_cfg, args.model or [], args.served_model_name)
         tenants = load_tenants(args.tenants) if args.tenants else ()
         server_cfg = ServerConfig(

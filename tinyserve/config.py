@@ -32,6 +32,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (chunked prefill budget)
     max_model_len: int | None = None  # prompt + output limit; None: the model's own
     enable_prefix_caching: bool = True
+    # No decode buckets: every step runs the launchers directly (no padding, no recorded
+    # launches, no CUDA graphs) - for debugging, and to compare against.
+    enforce_eager: bool = False
     seed: int = 0  # seeds unseeded requests, reproducibly per engine
     # Several models in one process (build_models sets these): this model's share of the KV
     # budget; sized from free GPU memory, the share of what is free when it loads that it

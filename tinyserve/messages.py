@@ -98,16 +98,23 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     seq_id: int
     token_ids: tuple[int, ...]  # the tokens whose K/V this step computes
     start_pos: int  # tokens already in the KV cache (cached prefix + earlier chunks)
-    block_table: tuple[int, ...]  # physical KV blocks, covering start_pos + len(token_ids)
+    # The sequence's KV block ids from index ``first_block`` on: only those the runner's
+    # persistent block table lacks (first_block 0: the whole table, the row starts afresh).
+    # With the blocks sent before, they cover start_pos + len(token_ids).
+    new_blocks: tuple[int, ...]
     sample: bool  # the chunk reaches the end of the sequence: draw its next token
     params: SamplingParams
     seed: int  # this draw's seed (mix_seed(request seed, tokens drawn so far))
     epoch: int = 0  # the sequence's preemption count when planned: older results are stale
+    first_block: int = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag=True):
     step_id: int
     seqs: tuple[ScheduledSeq, ...]
+    # Sequences released since the last plan (finished, aborted, preempted): the runner drops
+    # their block-table rows before it reads this plan's entries.
+    freed: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -140,6 +140,9 @@ class Server:
             log.info("fallback %s -> %s (degradable tenants, while %s is degraded or down)",
                      name, other, name)
         for spec in self.models:
+            warm_up = getattr(engines[spec.name].runner, "warm_up", None)
+            if warm_up is not None:  # every kernel specialization, before the first request
+                await loop.run_in_executor(None, warm_up)
             await self._warm_up(spec.name, engines[spec.name].tokenizer)
         self.admission.ready = True
         for spec in self.models:

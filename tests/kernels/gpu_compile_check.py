@@ -71,6 +71,14 @@ def exercise(dtype):
         K.token_attention_paged(r(2, Hq, Dh), kc, vc, tables,
                                 torch.tensor([20, 60], dtype=torch.int32), 60,
                                 split_size=split, block_n=16 if split else None)
+    # The runner's persistent table: rows named per sequence, int64 statics (decode buckets).
+    rows, lens64 = torch.tensor([1, 0]), torch.tensor([20, 60])
+    K.token_attention_paged(r(2, Hq, Dh), kc, vc, tables, lens64, 60, split_size=16,
+                            block_n=16, table_rows=rows)
+    K.context_attention_paged(r(T, Hq, Dh), kc, vc, tables, torch.tensor([20, 30], dtype=torch.int32),
+                              torch.tensor([0, 20, 40], dtype=torch.int32), 20,
+                              table_rows=rows.int())
+    K.update_block_table(tables, torch.tensor([[0, 1, 5], [1, 3, 2]]))
     if dtype == torch.float32:
         logits = torch.randn(B, V)
         p = (torch.full((B,), 0.8), torch.full((B,), 5, dtype=torch.int32), torch.full((B,), 0.9),
@@ -92,12 +100,42 @@ def resources(cubin: bytes) -> str:
     return " ".join(w for w in line.split() if w.split(":")[0] in ("REG", "STACK", "SHARED"))
 
 
+def exercise_llama3_8b():
+    """The launchers at Llama-3-8B sizes, bf16 (hidden 4096, GQA 32/8 x 128, FFN 14336, vocab
+    128256, a 16-sequence decode at 8k context): the configurations that differ from the small
+    shapes' (wider rows, more heads, the full vocabulary). Weights are uninitialised."""
+    D, Hq, Hk, Dh, I, V, B, T = 4096, 32, 8, 128, 14336, 128256, 16, 40
+    bf = torch.bfloat16
+    e = lambda *s, dt=bf: torch.empty(*s, dtype=dt)  # noqa: E731
+    K.gather_rows(torch.zeros(T, dtype=torch.int64), e(V, D))
+    K.add_rmsnorm(e(T, D), e(D), 1e-5, residual=e(T, D))
+    qkv = e(T, (Hq + 2 * Hk) * Dh)
+    q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
+    k = qkv[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh)
+    v = qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh)
+    K.apply_rotary(q, k, torch.arange(T), torch.randn(8192, Dh // 2), torch.randn(8192, Dh // 2))
+    kc, vc = e(64, 16, Hk, Dh), e(64, 16, Hk, Dh)
+    K.write_kv_cache(k, v, kc, vc, torch.arange(T))
+    K.matmul(e(B, D), e(Hq * Dh + 2 * Hk * Dh, D))
+    K.silu_and_mul(e(B, 2 * I))
+    lin = quantize_int8(torch.randn(256, D))
+    K.int8_matmul(e(B, D), lin.weight, lin.scale)
+    tables = torch.zeros((2 * B + 1, 512), dtype=torch.int32)
+    K.token_attention_paged(e(B, Hq, Dh), kc, vc, tables, torch.full((B,), 8192), 8192,
+                            table_rows=torch.arange(B))
+    logits = torch.empty(B, V)
+    p = (torch.full((B,), 0.8), torch.full((B,), 5, dtype=torch.int32), torch.full((B,), 0.9),
+         torch.arange(B, dtype=torch.int64))
+    K.sample(logits, *p, num_top_logprobs=3)
+    K.sample(logits, *p, all_greedy=True)
+
+
 def main() -> int:
     show_resources = "--resources" in sys.argv
     seen = set()
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, "llama3-8b"):
         captured.clear()
-        exercise(dtype)
+        exercise_llama3_8b() if dtype == "llama3-8b" else exercise(dtype)
         for fn, args, kwargs in captured:
             key, consts, build = compile_like_the_jit(fn, args, kwargs)
             if key in seen:

@@ -157,3 +157,30 @@ def test_attention_rejects_bad_head_ratio(device):
         token_attention_paged(torch.zeros(1, 4, 8, device=device), k_cache, k_cache.clone(),
                               torch.zeros(1, 1, dtype=torch.int32, device=device),
                               torch.ones(1, dtype=torch.int32, device=device), 1)
+
+
+def test_table_rows_read_a_persistent_table(device):
+    """Rows named by table_rows in a wider, shuffled table give bit-identical attention to the
+    per-batch table (decode and prefill), int64 lengths included (the decode buckets' statics)."""
+    lens = [37, 5, 130]
+    k_cache, v_cache, tables, _ = make_paged(lens, 2, 16, 16, torch.float32, device, seed=21)
+    persistent = torch.full((7, tables.shape[1]), 10**6, dtype=torch.int32, device=device)
+    rows = [5, 0, 3]  # unused rows hold garbage block ids: they must never be read
+    persistent[rows] = tables
+    table_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+    q = torch.randn(len(lens), 8, 16, generator=torch.Generator().manual_seed(22)).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+    want = token_attention_paged(q, k_cache, v_cache, tables, seq_lens.int(), max(lens))
+    got = token_attention_paged(q, k_cache, v_cache, persistent, seq_lens, max(lens),
+                                table_rows=table_rows)
+    assert torch.equal(got, want)
+    q_lens = [4, 5, 9]
+    qp = torch.randn(sum(q_lens), 8, 16, generator=torch.Generator().manual_seed(23)).to(device)
+    q_start = torch.tensor([0, 4, 9, 18], dtype=torch.int32, device=device)
+    want = context_attention_paged(qp, k_cache, v_cache, tables, seq_lens.int(), q_start, 9)
+    got = context_attention_paged(qp, k_cache, v_cache, persistent, seq_lens.int(), q_start, 9,
+                                  table_rows=table_rows.int())
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="table_rows"):
+        token_attention_paged(q, k_cache, v_cache, persistent, seq_lens, max(lens),
+                              table_rows=table_rows[:2])

@@ -154,3 +154,25 @@ def test_rotary_on_fused_qkv_is_one_launch_even_for_one_token(device, monkeypatc
     launches.clear()
     apply_rotary(q.clone(), k.clone(), pos, cos, sin)  # separate tensors: one launch each
     assert launches == [Hq, Hk]
+
+
+def test_update_block_table_scatters_new_blocks(device):
+    from tinyserve.kernels import update_block_table
+
+    table = torch.arange(4 * 6, dtype=torch.int32, device=device).view(4, 6)
+    want = table.clone()
+    # (row, column, block); the last three are out of range and must be skipped
+    upd = [(0, 0, 100), (3, 5, 101), (1, 2, 102), (2, 3, 103), (4, 0, 7), (0, 6, 7), (-1, 0, 7)]
+    for r, c, b in upd[:4]:
+        want[r, c] = b
+    update_block_table(table, torch.tensor(upd, dtype=torch.int64, device=device))
+    assert torch.equal(table, want)
+    update_block_table(table, torch.zeros((0, 3), dtype=torch.int64, device=device))  # no launch
+    assert torch.equal(table, want)
+    big = torch.zeros((40, 30), dtype=torch.int32, device=device)  # 1,200 cells: two programs
+    cells = torch.randperm(1200, generator=torch.Generator().manual_seed(0))
+    upd = torch.stack([cells // 30, cells % 30, cells + 5], dim=1).to(device)
+    update_block_table(big, upd)
+    assert torch.equal(big, torch.arange(1200, dtype=torch.int32, device=device).view(40, 30) + 5)
+    with pytest.raises(ValueError, match="updates"):
+        update_block_table(table, torch.zeros((2, 4), dtype=torch.int64, device=device))

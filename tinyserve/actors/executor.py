@@ -92,7 +92,7 @@ class Executor:
             try:
                 plan = self._fill_placeholders(model, plan)
                 self._failed[model] = frozenset()
-                if plan.seqs:
+                if plan.seqs or plan.freed:  # (freed rows must reach the runner's table)
                     t0 = time.perf_counter()
                     result = self.runners[model](plan)
                     if not result.seconds:
@@ -100,7 +100,7 @@ class Executor:
                                                          seconds=time.perf_counter() - t0)
                     self._sampled[model] = {o.seq_id: o.token_id for o in result.outputs}
                     self.failures[model] = 0
-                else:  # all it held depended on a step that failed
+                else:  # all it held depended on a step that failed (or it was empty)
                     result = StepResult(plan.step_id, ())
             except Exception as e:  # a failed step must not take the server down
                 log.exception("%s: step %d failed", model, plan.step_id)

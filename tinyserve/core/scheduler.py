@@ -69,6 +69,7 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         self._step_id = 0
         self.num_preemptions = 0
+        self._freed: list[int] = []  # released sequences the runner still holds a table row for
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cache hits)
         # The SLO controller may lower both (SloController.scheduler_limits).
         self.max_running = cfg.max_num_seqs
@@ -105,7 +106,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self._release(seq)
         seq.num_inflight = seq.num_pending = 0
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -178,13 +179,15 @@ class Scheduler:
                 chosen.append((seq, n))
                 budget -= n
                 continue
-            self.kv.free(seq)  # give back the prefix references until blocks free up
+            self._release(seq)  # give back the prefix references until blocks free up
             break
 
         if not chosen:
             return None
         self._step_id += 1
-        return StepPlan(step_id=self._step_id, seqs=tuple(self._plan_entry(s, n) for s, n in chosen))
+        seqs = tuple(self._plan_entry(s, n) for s, n in chosen)
+        freed, self._freed = tuple(self._freed), []
+        return StepPlan(step_id=self._step_id, seqs=seqs, freed=freed)
 
     def _outranks(self, seq: Sequence) -> bool:
         """A running sequence of lower priority exists (the last one), whose blocks it may take."""
@@ -219,17 +222,26 @@ class Scheduler:
         self.num_prompt_tokens_computed += max(0, min(end, seq.num_prompt_tokens) - start)
         known = tuple(seq.token_ids[start:end])
         sample = end == seq.num_tokens + seq.num_pending
+        first = seq.blocks_sent  # the runner keeps the table: send only blocks it lacks
         entry = ScheduledSeq(
             seq_id=seq.seq_id, token_ids=known + (PLACEHOLDER,) * (n - len(known)),
-            start_pos=start, block_table=tuple(seq.block_ids), sample=sample,
+            start_pos=start, new_blocks=tuple(seq.block_ids[first:]), sample=sample,
             params=seq.params, seed=mix_seed(seq.seed, seq.num_output_tokens + seq.num_pending),
-            epoch=seq.num_preemptions)
+            epoch=seq.num_preemptions, first_block=first)
+        seq.blocks_sent = len(seq.block_ids)
         seq.num_inflight += n
         seq.num_pending += sample
         return entry
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; the runner drops its block-table row with the next plan."""
         self.kv.free(seq)
+        if seq.blocks_sent:
+            self._freed.append(seq.seq_id)
+            seq.blocks_sent = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.num_inflight = seq.num_pending = 0  # (results of steps in flight are now stale)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1

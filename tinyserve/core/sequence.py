@@ -45,6 +45,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix index
+    blocks_sent: int = 0  # leading blocks the runner's block table holds (sent with plans)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0  # also the epoch of its planned steps: older results are stale

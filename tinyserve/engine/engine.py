@@ -89,7 +89,9 @@ class Engine:
                            mcfg.head_dim, dtype)
         cos, sin = rope_tables(mcfg, max_model_len, self.device)
         self.model_config = mcfg
-        self.runner = ModelRunner(LlamaModel(mcfg, weights, cos, sin), mcfg, spec, self.device)
+        self.runner = ModelRunner(LlamaModel(mcfg, weights, cos, sin), mcfg, spec, self.device,
+                                  max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len,
+                                  enforce_eager=cfg.enforce_eager)
         self.info = EngineInfo(
             model_path=str(model_dir), device=self.device, dtype=str(dtype).removeprefix("torch."),
             quantization=cfg.quantization, vocab_size=mcfg.vocab_size, max_model_len=max_model_len,

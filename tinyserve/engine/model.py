@@ -28,6 +28,7 @@ from tinyserve.kernels import (
     token_attention_paged,
     write_kv_cache,
 )
+from tinyserve.kernels.utils import empty, phase
 
 
 @dataclass(slots=True)
@@ -38,14 +39,15 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset
     num_decodes: int  # the first num_decodes tokens are decode queries
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
-    decode_seq_lens: torch.Tensor  # [num_decodes] int32, including the new token
-    decode_max_seq_len: int
-    prefill_block_tables: torch.Tensor  # [P, max_blocks] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32: the runner's persistent table
+    decode_rows: torch.Tensor  # [num_decodes]: each decode's row in block_tables
+    decode_seq_lens: torch.Tensor  # [num_decodes], including the new token
+    decode_max_seq_len: int  # sizes the split grid (a bucket uses max_model_len: fixed)
+    prefill_rows: torch.Tensor  # [P]: each prefill chunk's row in block_tables
     prefill_seq_lens: torch.Tensor  # [P] int32, cached + new tokens
     prefill_q_start: torch.Tensor  # [P + 1] int32, offsets into the prefill part
     prefill_max_q_len: int
-    logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
+    logits_indices: torch.Tensor | None  # [S] int64: rows whose next token is sampled (None: all)
 
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hk, Dh] x2
@@ -67,9 +69,13 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Returns logits [S, V] fp32 for the rows in ``batch.logits_indices``."""
         cfg, w = self.cfg, self.w
+        # Phases tell a recording (a decode bucket being recorded) which scratch buffers
+        # every layer may share; free otherwise. See kernels.utils.Recording.
+        phase("head")
         h = gather_rows(batch.input_ids, w.embed)  # [T, D]
         residual = None
         for layer, layer_kv in zip(w.layers, kv_cache, strict=True):
+            phase("layer")
             if residual is None:
                 residual = h
                 x = add_rmsnorm(h, layer.input_norm, cfg.rms_norm_eps)
@@ -78,9 +84,10 @@ class LlamaModel:
             h = self._attention(x, layer, batch, layer_kv)
             x = add_rmsnorm(h, layer.post_norm, cfg.rms_norm_eps, residual=residual)
             h = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+        phase("tail")
         x = add_rmsnorm(h, w.norm, cfg.rms_norm_eps, residual=residual)
-        last = gather_rows(batch.logits_indices, x)  # [S, D]
-        logits = torch.empty((last.shape[0], cfg.vocab_size), dtype=torch.float32, device=x.device)
+        last = x if batch.logits_indices is None else gather_rows(batch.logits_indices, x)
+        logits = empty((last.shape[0], cfg.vocab_size), torch.float32, x.device)
         return linear(last, w.lm_head, out=logits)
 
     def _attention(self, x: torch.Tensor, layer: LayerWeights, batch: ForwardBatch,
@@ -94,13 +101,15 @@ class LlamaModel:
         apply_rotary(q, k, batch.positions, self.cos, self.sin)
         k_cache, v_cache = kv
         write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = torch.empty((T, Hq, Dh), dtype=x.dtype, device=x.device)
+        o = empty((T, Hq, Dh), x.dtype, x.device)
         D = batch.num_decodes
         if D:
-            token_attention_paged(q[:D], k_cache, v_cache, batch.decode_block_tables,
-                                  batch.decode_seq_lens, batch.decode_max_seq_len, out=o[:D])
+            token_attention_paged(q[:D], k_cache, v_cache, batch.block_tables,
+                                  batch.decode_seq_lens, batch.decode_max_seq_len, out=o[:D],
+                                  table_rows=batch.decode_rows)
         if T > D:
-            context_attention_paged(q[D:], k_cache, v_cache, batch.prefill_block_tables,
+            context_attention_paged(q[D:], k_cache, v_cache, batch.block_tables,
                                     batch.prefill_seq_lens, batch.prefill_q_start,
-                                    batch.prefill_max_q_len, out=o[D:])
+                                    batch.prefill_max_q_len, out=o[D:],
+                                    table_rows=batch.prefill_rows)
         return linear(o.view(T, Hq * Dh), layer.o)

@@ -1,8 +1,19 @@
-"""ModelRunner: owns the device state (weights, KV cache) and runs one StepPlan.
+"""ModelRunner: owns the device state (weights, KV cache, block table) and runs one StepPlan.
 
-It packs the plan into flat tensors, runs the forward pass, samples, and returns plain Python
-results. This is the only place where host lists become device tensors and back (one
-device-to-host copy per step, for the sampled tokens).
+Two paths:
+- decode buckets: a step of decodes only is padded to the next bucket size (1, 2, 4, 8, 16,
+  24, 32, 48, 64, ... up to max_num_seqs) and its inputs are written into static buffers:
+  one host staging buffer (pinned on a GPU), one host-to-device copy. The forward pass of
+  each bucket was recorded once (kernels.utils.Recording) and is replayed as a list of
+  launches - or, on a GPU, as a CUDA graph captured from that list. Padded rows compute
+  garbage that is never read: token 0 at position 0, slot -1 (no KV write), length 1 in the
+  padding row of the block table. Every kernel's tiles are fixed per model, so a real row's
+  numbers do not change with the padding (tests compare the two paths token for token).
+- eager: prefill and mixed steps (and everything with ``enforce_eager``) run the launchers
+  directly with per-step tensors.
+
+Both read the persistent block table (block_tables.py); plans carry only new blocks. Results
+come back as plain Python (one device-to-host copy per step, for the sampled tokens).
 """
 
 from __future__ import annotations
@@ -14,10 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.loader import ModelConfig
 from tinyserve.engine.model import ForwardBatch, KVCache, LlamaModel
-from tinyserve.kernels import sample
-from tinyserve.messages import ScheduledSeq, SeqOutput, StepPlan, StepResult
+from tinyserve.kernels import sample, update_block_table
+from tinyserve.kernels.utils import Recording, recording
+from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -50,45 +63,246 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str) -> KVCache:
             for _ in range(spec.num_layers)]
 
 
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then 2^k and 1.5 * 2^k (at most a third of a bucket is padding), capped."""
+    sizes = {1, 2, 4, 8}
+    p = 16
+    while p < max_num_seqs:
+        sizes |= {p, p * 3 // 2}
+        p *= 2
+    return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
+
+
+# Sampling variants the warm-up runs: (all_greedy, any_top_k, any_top_p, top logprobs).
+SAMPLING_VARIANTS = ((True, False, False, 0), (False, False, False, 0), (False, True, False, 0),
+                     (False, False, True, 0), (False, True, True, 0), (True, False, False, 2))
+
+
+class _Statics:
+    """Static decode inputs: one host staging buffer and its device twin, as typed views.
+
+    Layout (bytes): int64 [6, cap] (ids, positions, slots, seq lens, table rows, seeds) |
+    int32 [cap] (top_k) | fp32 [2, cap] (temperature, top_p) | int64 [max_updates, 3]
+    (block-table updates). A step copies the prefix up to its last update: one copy.
+    """
+
+    def __init__(self, capacity: int, max_updates: int, device: torch.device) -> None:
+        cap = -(-capacity // 8) * 8  # keeps every section 8-byte aligned
+        self.cap, self.max_updates = cap, max_updates
+        self.upd_offset = 60 * cap
+        nbytes = self.upd_offset + 24 * max_updates
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        h = self.host.numpy()
+        self.h_i64 = h[: 48 * cap].view(np.int64).reshape(6, cap)
+        self.h_topk = h[48 * cap: 52 * cap].view(np.int32)
+        self.h_f32 = h[52 * cap: 60 * cap].view(np.float32).reshape(2, cap)
+        self.h_upd = h[self.upd_offset:].view(np.int64).reshape(max_updates, 3)
+        d = self.dev
+        i64 = d[: 48 * cap].view(torch.int64).view(6, cap)
+        self.ids, self.pos, self.slots, self.lens, self.rows, self.seeds = i64.unbind(0)
+        self.top_k = d[48 * cap: 52 * cap].view(torch.int32)
+        self.temperature, self.top_p = d[52 * cap: 60 * cap].view(torch.float32).view(2, cap).unbind(0)
+        self.upd = d[self.upd_offset:].view(torch.int64).view(max_updates, 3)
+
+    def push(self, num_updates: int, statics: bool = True) -> None:
+        start = 0 if statics else self.upd_offset
+        end = self.upd_offset + 24 * num_updates
+        if end > start:
+            self.dev[start:end].copy_(self.host[start:end], non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: ModelConfig, kv_spec: KVCacheSpec,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, *, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, enforce_eager: bool = False) -> None:
         self.model = model
         self.cfg = cfg
         self.kv_spec = kv_spec
         self.device = torch.device(device)
         self.kv_cache = allocate_kv_cache(kv_spec, device)
+        self.max_model_len = max_model_len or model.cos.shape[0]
+        bs = kv_spec.block_size
+        width = -(-self.max_model_len // bs)
+        # Twice max_num_seqs: rows of released sequences wait for the next plan's ``freed``.
+        self.tables = BlockTables(2 * max_num_seqs, width, bs)
+        self.table_dev = torch.zeros((2 * max_num_seqs + 1, width), dtype=torch.int32,
+                                     device=self.device)
+        self.enforce_eager = enforce_eager
+        self.buckets = () if enforce_eager else decode_buckets(max_num_seqs)
+        self.statics = _Statics(max(self.buckets, default=1), max(256, 2 * width), self.device)
+        self._pools: dict = {}  # scratch buffers shared by every bucket's recording
+        self._recorded: dict[int, tuple[Recording, torch.Tensor, object]] = {}
+        self.use_graphs = self.device.type == "cuda" and not enforce_eager
 
+    # -- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
-        batch, sampled = self.pack(seqs)
-        logits = self.model.forward(batch, self.kv_cache)
-        outputs = self._sample(logits, sampled)
+        rows, updates = self.tables.apply(plan.freed, seqs)
+        bucketed = bool(seqs) and len(seqs[-1].token_ids) == 1 \
+            and len(seqs) <= (self.buckets or (0,))[-1]
+        if bucketed:
+            logits, sampled = self._decode_bucket(seqs, rows, updates)
+        else:
+            self._push_updates(updates, statics=False)
+            if not seqs:
+                return StepResult(step_id=plan.step_id, outputs=())
+            batch, sampled = self.pack(seqs, rows)
+            logits = self.model.forward(batch, self.kv_cache)
+        outputs = self._sample(logits, sampled, staged=bucketed)
         return StepResult(step_id=plan.step_id, outputs=outputs,
                           seconds=time.perf_counter() - t0)
 
-    def pack(self, seqs: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+    def _push_updates(self, updates: list, statics: bool) -> None:
+        st = self.statics
+        n = len(updates)
+        if n > st.max_updates:  # a burst (many long prompts resumed at once): its own copy
+            st.push(0, statics)
+            upd = torch.tensor(updates, dtype=torch.int64).to(self.device)
+            update_block_table(self.table_dev, upd)
+            return
+        if n:
+            st.h_upd[:n] = updates
+        st.push(n, statics)
+        if n:
+            update_block_table(self.table_dev, st.upd[:n])
+
+    # -- decode buckets ---------------------------------------------------------------------
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} decodes exceed the largest bucket")
+
+    def _decode_bucket(self, seqs: list[ScheduledSeq], rows: list[int],
+                       updates: list) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        n, B = len(seqs), self._bucket(len(seqs))
+        st, bs = self.statics, self.kv_spec.block_size
+        i64 = st.h_i64
+        pos = np.fromiter((s.start_pos for s in seqs), np.int64, n)
+        if int(pos.max()) >= self.model.cos.shape[0]:
+            raise ValueError(f"position {int(pos.max())} is beyond the rotary table")
+        row = np.asarray(rows, dtype=np.int64)
+        i64[0, :n] = [s.token_ids[0] for s in seqs]
+        i64[1, :n] = pos
+        i64[2, :n] = self.tables.host[row, pos // bs] * bs + pos % bs
+        i64[3, :n] = pos + 1
+        i64[4, :n] = row
+        # padding rows: token 0 at position 0, no KV write, one key in the zero padding row
+        i64[0:2, n:B] = 0
+        i64[2, n:B] = -1
+        i64[3, n:B] = 1
+        i64[4, n:B] = self.tables.pad_row
+        sampled = [s for s in seqs if s.sample]
+        if len(sampled) != n:  # (every decode samples; guard the row mapping anyway)
+            raise ValueError("a decode step entry does not sample")
+        self._stage_sampling(seqs)
+        self._push_updates(updates, statics=True)
+        rec, logits, graph = self._recorded.get(B) or self._record(B)
+        if graph is not None:
+            graph.replay()
+        else:
+            rec.replay()
+        return logits[:n], sampled
+
+    def _stage_sampling(self, seqs: list[ScheduledSeq]) -> None:
+        n, st = len(seqs), self.statics
+        st.h_i64[5, :n] = [s.seed for s in seqs]
+        params = [s.params for s in seqs]
+        st.h_topk[:n] = [max(p.top_k, 0) for p in params]
+        st.h_f32[0, :n] = [p.temperature for p in params]
+        st.h_f32[1, :n] = [p.top_p for p in params]
+
+    def _bucket_batch(self, B: int) -> ForwardBatch:
+        st = self.statics
+        none = st.lens[:0]
+        return ForwardBatch(
+            input_ids=st.ids[:B], positions=st.pos[:B], slot_mapping=st.slots[:B], num_decodes=B,
+            block_tables=self.table_dev, decode_rows=st.rows[:B], decode_seq_lens=st.lens[:B],
+            decode_max_seq_len=self.max_model_len,  # fixed: one split count per bucket
+            prefill_rows=none, prefill_seq_lens=none, prefill_q_start=st.lens[:1],
+            prefill_max_q_len=0, logits_indices=None)
+
+    def _record(self, B: int) -> tuple[Recording, torch.Tensor, object]:
+        """Record bucket B's forward pass (it runs once, on whatever the statics hold), and
+        capture it as a CUDA graph on a GPU."""
+        rec = Recording(self.buckets[-1], self._pools)
+        with recording(rec):
+            logits = self.model.forward(self._bucket_batch(B), self.kv_cache)
+        graph = None
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                rec.replay()
+        self._recorded[B] = (rec, logits, graph)
+        return self._recorded[B]
+
+    def warm_up(self) -> dict:
+        """Record (and on a GPU capture) every decode bucket, and run every sampling variant
+        at every bucket size, so no kernel specialization is compiled while serving."""
+        t0 = time.perf_counter()
+        st = self.statics
+        cap = st.cap
+        st.h_i64[0:2] = 0
+        st.h_i64[2] = -1
+        st.h_i64[3] = 1
+        st.h_i64[4] = self.tables.pad_row
+        st.h_i64[5] = 0
+        st.h_topk[:] = 5
+        st.h_f32[0] = 0.7
+        st.h_f32[1] = 0.9
+        st.push(0)
+        for B in self.buckets:
+            if B not in self._recorded:
+                self._record(B)
+        sizes = self.buckets or (1,)
+        launches = 0
+        for B in sizes:
+            logits = torch.zeros((B, self.cfg.vocab_size), dtype=torch.float32, device=self.device)
+            for greedy, top_k, top_p, n_top in SAMPLING_VARIANTS:
+                sample(logits, st.temperature[:B], st.top_k[:B], st.top_p[:B], st.seeds[:B],
+                       n_top, all_greedy=greedy, any_top_k=top_k, any_top_p=top_p)
+                launches += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        info = {"buckets": list(self.buckets), "cuda_graphs": self.use_graphs,
+                "sampling_variants": launches, "scratch_mib": round(self.scratch_bytes / 2**20, 1),
+                "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
+        log.info("warm-up: %d decode buckets %s recorded%s, %d sampling variants, %.1f MiB "
+                 "scratch, %.2f s", len(self.buckets), list(self.buckets),
+                 " and captured as CUDA graphs" if self.use_graphs else "", launches,
+                 info["scratch_mib"], info["seconds"])
+        return info
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pool in self._pools.values() for t in pool)
+
+    # -- eager ------------------------------------------------------------------------------
+    def pack(self, seqs: list[ScheduledSeq], rows: list[int]
+             ) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         bs = self.kv_spec.block_size
+        table = self.tables.host
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
-        dec_tables, dec_lens, pre_tables, pre_lens, q_start = [], [], [], [], [0]
-        for s in seqs:
+        dec_rows, dec_lens, pre_rows, pre_lens, q_start = [], [], [], [], [0]
+        for s, row in zip(seqs, rows, strict=True):
             n = len(s.token_ids)
             end = s.start_pos + n
-            if len(s.block_table) * bs < end:
-                raise ValueError(f"seq {s.seq_id}: {len(s.block_table)} blocks cannot hold {end} tokens")
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, end))
-            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(s.start_pos, end))
+            blocks = table[row]
+            slots.extend(int(blocks[p // bs]) * bs + p % bs for p in range(s.start_pos, end))
             if n == 1:
-                dec_tables.append(s.block_table)
+                dec_rows.append(row)
                 dec_lens.append(end)
             else:
-                pre_tables.append(s.block_table)
+                pre_rows.append(row)
                 pre_lens.append(end)
                 q_start.append(q_start[-1] + n)
             if s.sample:
@@ -103,36 +317,33 @@ class ModelRunner:
         def ints(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        def table(rows: list[tuple[int, ...]]) -> torch.Tensor:
-            # Row by row into a zeroed array: ~4x faster than torch.tensor over nested padded
-            # lists (64 rows x 8,192 blocks: 38 -> 10 ms). A persistent device table updated
-            # with new blocks only is the real cure (issue 8).
-            width = max((len(r) for r in rows), default=1)
-            out = np.zeros((max(len(rows), 1), width), dtype=np.int32)
-            for i, r in enumerate(rows):
-                out[i, :len(r)] = r
-            return torch.from_numpy(out).to(dev)
-
         batch = ForwardBatch(
             input_ids=ints(input_ids), positions=ints(positions), slot_mapping=ints(slots),
-            num_decodes=len(dec_lens),
-            decode_block_tables=table(dec_tables), decode_seq_lens=ints(dec_lens, torch.int32),
+            num_decodes=len(dec_lens), block_tables=self.table_dev,
+            decode_rows=ints(dec_rows, torch.int32), decode_seq_lens=ints(dec_lens, torch.int32),
             decode_max_seq_len=max(dec_lens, default=0),
-            prefill_block_tables=table(pre_tables), prefill_seq_lens=ints(pre_lens, torch.int32),
+            prefill_rows=ints(pre_rows, torch.int32), prefill_seq_lens=ints(pre_lens, torch.int32),
             prefill_q_start=ints(q_start, torch.int32),
             prefill_max_q_len=max((b - a for a, b in zip(q_start, q_start[1:])), default=0),
             logits_indices=ints(logits_rows))
         return batch, sampled
 
-    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> tuple[SeqOutput, ...]:
+    # -- sampling ---------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq],
+                staged: bool) -> tuple[SeqOutput, ...]:
+        """``staged``: the sampling parameters already sit in the statics (decode buckets)."""
         if not seqs:
             return ()
+        n, st = len(seqs), self.statics
         params = [s.params for s in seqs]
-        dev = self.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+        if n > st.cap:  # an eager step with more samples than the statics hold
+            temperature, top_k, top_p, seeds = self._sampling_tensors(seqs, params)
+        else:
+            if not staged:
+                self._stage_sampling(seqs)
+                st.push(0)
+            temperature, top_k, top_p, seeds = (st.temperature[:n], st.top_k[:n], st.top_p[:n],
+                                                st.seeds[:n])
         num_top = max((p.logprobs or 0) for p in params)
         tokens, logprobs, top_ids, top_lps = sample(
             logits, temperature, top_k, top_p, seeds, num_top,
@@ -140,15 +351,22 @@ class ModelRunner:
             any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params))
         tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
-        tops = (list(zip(top_ids.tolist(), top_lps.tolist(), strict=True))
-                if top_ids is not None else None)
+        if top_ids is None:
+            return tuple(SeqOutput(s.seq_id, t, lp, None if p.logprobs is None else ())
+                         for s, p, t, lp in zip(seqs, params, tokens_l, lps_l, strict=True))
+        tops = list(zip(top_ids.tolist(), top_lps.tolist(), strict=True))
         out = []
         for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
             top = None
-            if p.logprobs is not None and tops is not None:
+            if p.logprobs is not None:
                 ids, lps = tops[i]
                 top = tuple(zip(ids[: p.logprobs], lps[: p.logprobs], strict=True))
-            elif p.logprobs is not None:
-                top = ()
             out.append(SeqOutput(s.seq_id, tokens_l[i], lps_l[i], top))
         return tuple(out)
+
+    def _sampling_tensors(self, seqs: list[ScheduledSeq], params: list[SamplingParams]):
+        dev = self.device
+        return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=dev),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev))
