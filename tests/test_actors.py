@@ -22,7 +22,6 @@ from tinyserve.messages import (
     Accepted,
     Failed,
     SamplingParams,
-    StepPlan,
     StepResult,
     Submit,
 )

@@ -166,6 +166,9 @@ def test_warm_up_records_every_bucket_so_serving_records_none(stories_dir):
     info = runner.warm_up()
     assert info["buckets"] == [1, 2, 4, 5] and set(runner._recorded) == {1, 2, 4, 5}
     assert info["cuda_graphs"] is False and info["sampling_variants"] == 6 * 4
+    # chunks of 16 and 17, a mixed step, and one decode per split count (one on the CPU)
+    assert runner.eager_warm_shapes() == [((), (16,)), ((), (17,)), ((1,), (16,)), ((512,), ())]
+    assert info["eager_shapes"] == 4
     recorded = dict(runner._recorded)
     llm.generate(PROMPTS[:5], SamplingParams(max_tokens=6, temperature=0.0))
     assert runner._recorded == recorded  # the same recordings, nothing new

@@ -240,9 +240,13 @@ class ModelRunner:
         return self._recorded[B]
 
     def warm_up(self) -> dict:
-        """Record (and on a GPU capture) every decode bucket, and run every sampling variant
-        at every bucket size, so no kernel specialization is compiled while serving."""
+        """Record (and on a GPU capture) every decode bucket, run every sampling variant at
+        every bucket size and the eager shapes of ``eager_warm_shapes``, so that no kernel
+        specialization is compiled while serving."""
         t0 = time.perf_counter()
+        shapes = self.eager_warm_shapes()
+        for dec_lens, pre_lens in shapes:
+            self._warm_eager(dec_lens, pre_lens)
         st = self.statics
         cap = st.cap
         st.h_i64[0:2] = 0
@@ -268,13 +272,51 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         info = {"buckets": list(self.buckets), "cuda_graphs": self.use_graphs,
-                "sampling_variants": launches, "scratch_mib": round(self.scratch_bytes / 2**20, 1),
+                "sampling_variants": launches, "eager_shapes": len(shapes),
+                "scratch_mib": round(self.scratch_bytes / 2**20, 1),
                 "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
-        log.info("warm-up: %d decode buckets %s recorded%s, %d sampling variants, %.1f MiB "
-                 "scratch, %.2f s", len(self.buckets), list(self.buckets),
+        log.info("warm-up: %d decode buckets %s recorded%s, %d sampling variants, %d eager "
+                 "shapes, %.1f MiB scratch, %.2f s", len(self.buckets), list(self.buckets),
                  " and captured as CUDA graphs" if self.use_graphs else "", launches,
-                 info["scratch_mib"], info["seconds"])
+                 len(shapes), info["scratch_mib"], info["seconds"])
         return info
+
+    def eager_warm_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(decode lengths, prefill chunk lengths) of the eager steps the warm-up runs: chunks
+        of 16 and 17 tokens (Triton specializes integer arguments on divisibility by 16), a
+        mixed step, and one decode at each power-of-two split count up to max_model_len (the
+        merge kernel is compiled per split count)."""
+        from tinyserve.kernels.attention_decode import default_split_size
+
+        shapes = [((), (16,)), ((), (17,)), ((1,), (16,))]
+        split, n = default_split_size(), 1
+        while True:
+            shapes.append(((min(n * split, self.max_model_len),), ()))
+            if n * split >= self.max_model_len:
+                return shapes
+            n *= 2
+
+    def _warm_eager(self, dec_lens: tuple[int, ...], pre_lens: tuple[int, ...]) -> None:
+        """One eager forward pass of that shape on nothing: every row reads the all-zero padding
+        row of the block table and writes no KV (slot -1)."""
+        dev, pad = self.device, self.tables.pad_row
+        T = len(dec_lens) + sum(pre_lens)
+        q_start = [0]
+        for n in pre_lens:
+            q_start.append(q_start[-1] + n)
+
+        def ints(values, dtype=torch.int32):
+            return torch.tensor(list(values), dtype=dtype, device=dev)
+
+        batch = ForwardBatch(
+            input_ids=ints([0] * T, torch.int64), positions=ints([0] * T, torch.int64),
+            slot_mapping=ints([-1] * T, torch.int64), num_decodes=len(dec_lens),
+            block_tables=self.table_dev, decode_rows=ints([pad] * len(dec_lens)),
+            decode_seq_lens=ints(dec_lens), decode_max_seq_len=max(dec_lens, default=0),
+            prefill_rows=ints([pad] * len(pre_lens)), prefill_seq_lens=ints(pre_lens),
+            prefill_q_start=ints(q_start), prefill_max_q_len=max(pre_lens, default=0),
+            logits_indices=ints([T - 1], torch.int64))
+        self.model.forward(batch, self.kv_cache)
 
     @property
     def scratch_bytes(self) -> int:
