@@ -18,7 +18,7 @@ from tinyserve.kernels.embedding import gather_rows  # noqa: E402
 from tinyserve.kernels.kv_cache import update_block_table, write_kv_cache  # noqa: E402
 from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
 from tinyserve.kernels.rmsnorm import add_rmsnorm  # noqa: E402
-from tinyserve.kernels.rotary import apply_rotary  # noqa: E402
+from tinyserve.kernels.rotary import apply_rotary, rotary_and_write_kv  # noqa: E402
 from tinyserve.kernels.sampling import sample  # noqa: E402
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "gather_rows",
     "int8_matmul",
     "matmul",
+    "rotary_and_write_kv",
     "sample",
     "silu_and_mul",
     "token_attention_paged",

@@ -5,7 +5,8 @@ its own program (so a long context still fills the GPU at small batch):
 
     o_s   = softmax(q . K_s) @ V_s          lse_s = log2 sum exp2(scores_s)
 
-Stage 2 merges the splits:  out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),  m = max lse.
+Stage 2 merges the splits:  out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),  m = max lse
+(16 splits at a time with a running max, so a 128k context merges in registers).
 With a single split stage 1 writes ``out`` directly. ``split_size`` is fixed per process, so the
 split of a sequence depends on its own length only (batch invariant).
 Layouts: q, out [B, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables
@@ -86,25 +87,41 @@ def _merge_splits_kernel(
     num_heads, head_dim, split_size,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # Splits are merged BLOCK_S at a time with a running max (as online softmax does), so a
+    # 128k context (256 splits) keeps a [BLOCK_H, BLOCK_S, BLOCK_D] tile in registers instead
+    # of one tile of all splits. BLOCK_S is fixed: a row's merge order follows its own length.
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     seq_len = tl.load(b_seq_len_ptr + b)
     num_splits = tl.cdiv(seq_len, split_size)
     h_ok = offs_h < num_heads
-    s_ok = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :],
-                  mask=h_ok[:, None] & s_ok[None, :], other=float("-inf"))
-    lse = tl.where(h_ok[:, None], lse, 0.0)  # keep padded heads finite
-    w = tl.exp2(lse - tl.max(lse, axis=1)[:, None])  # [BLOCK_H, BLOCK_S]
-    mask3 = h_ok[:, None, None] & s_ok[None, :, None] & (offs_d < head_dim)[None, None, :]
-    o = tl.load(part_out_ptr + b * stride_pb + offs_h[:, None, None] * stride_ph
-                + offs_s[None, :, None] * stride_ps + offs_d[None, None, :], mask=mask3, other=0.0)
-    merged = tl.sum(o * w[:, :, None], axis=1) / tl.sum(w, axis=1)[:, None]
+    d_ok = offs_d < head_dim
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
+        s_ok = offs_s < num_splits
+        lse = tl.load(part_lse_ptr + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :],
+                      mask=h_ok[:, None] & s_ok[None, :], other=float("-inf"))
+        lse = tl.where(h_ok[:, None], lse, 0.0)  # keep padded heads finite
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        alpha = tl.exp2(m - m_new)  # first chunk: exp2(-inf) = 0, acc and l_sum start clean
+        w = tl.exp2(lse - m_new[:, None])  # [BLOCK_H, BLOCK_S]
+        mask3 = h_ok[:, None, None] & s_ok[None, :, None] & d_ok[None, None, :]
+        o = tl.load(part_out_ptr + b * stride_pb + offs_h[:, None, None] * stride_ph
+                    + offs_s[None, :, None] * stride_ps + offs_d[None, None, :],
+                    mask=mask3, other=0.0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=1)
+        l_sum = l_sum * alpha + tl.sum(w, axis=1)
+        m = m_new
+    merged = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-             merged.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & (offs_d < head_dim)[None, :])
+             merged.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+MERGE_SPLITS = 16  # splits merged per iteration
 
 
 def default_split_size() -> int:
@@ -160,5 +177,5 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         launch(_merge_splits_kernel, (B, cdiv(hp.num_heads, block_h)),
             part_out, part_lse, out, seq_lens, *p_strides, *l_strides,
             out.stride(0), out.stride(1), hp.num_heads, hp.head_dim, split_size,
-            BLOCK_H=block_h, BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(hp.head_dim))
+            BLOCK_H=block_h, BLOCK_S=MERGE_SPLITS, BLOCK_D=next_pow2(hp.head_dim))
     return out

@@ -14,6 +14,8 @@ Tile sizes depend on (N, K) only, never on M: a row's result is the same whateve
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,10 +26,10 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty
 @triton.jit
 def _matmul_kernel(
     a_ptr, w_ptr, scale_ptr, out_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on,
+    M, N, K, k_split,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_os,
     W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     if GROUP_M == 1:
         pid_m = tl.program_id(0).to(tl.int64)
@@ -43,16 +45,26 @@ def _matmul_kernel(
         pid_m = (first_m + (pid % (GROUP_M * num_pid_n)) % group_size).to(tl.int64)
         pid_n = ((pid % (GROUP_M * num_pid_n)) // group_size).to(tl.int64)
 
+    # Split-K: program pid_k sums K in [pid_k * k_split, (pid_k + 1) * k_split) into its own
+    # fp32 slice of out; _split_k_sum_kernel adds the slices in a fixed order.
+    if SPLIT_K == 1:
+        pid_k = 0
+    elif GROUP_M == 1:
+        pid_k = tl.program_id(2).to(tl.int64)
+    else:
+        pid_k = tl.program_id(1).to(tl.int64)
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(K, k_lo + k_split)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    offs_k = k_lo + tl.arange(0, BLOCK_K).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        mask_k = (offs_k + k) < K
+    for k in range(0, k_hi - k_lo, BLOCK_K):
+        mask_k = (offs_k + k) < k_hi
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
         if W_INT8:
@@ -60,22 +72,59 @@ def _matmul_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    if SPLIT_K > 1:  # a partial sum: the scale is applied once, after the sum
+        tl.store(out_ptr + offs_m[:, None] * stride_om + pid_k * stride_os
+                 + offs_n[None, :] * stride_on, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        if W_INT8:
+            acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_pm, stride_ps,
+                        stride_om, stride_on, W_INT8: tl.constexpr, SPLIT_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum whatever the batch
+        acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
     if W_INT8:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tiles(N: int, K: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _tiles(N: int, K: int, dtype: torch.dtype, w_int8: bool) -> tuple[int, int, int, int]:
     if INTERPRET:  # few, large programs: cost is ~ programs x ops, not FLOPs
         return 64, min(512, max(16, next_pow2(N))), min(256, max(16, next_pow2(K))), 1
     if dtype == torch.float32:  # ieee fp32 runs on FMA units: smaller tiles avoid spills
         return 32, 64, 32, 8
-    return 64, 128, 64, 8
+    # int8 weights: half the bytes per K step, so twice the K per tile for the same load size
+    return 64, 128, 128 if w_int8 else 64, 8
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_k_for(N: int, K: int, bn: int, bk: int, num_sms: int) -> int:
+    """Split K so that a layer with few column tiles still fills the SMs at decode batch sizes
+    (N=4096: 32 tiles of 128 on 132 SMs -> 4 splits), keeping >= 4 K tiles per split. Chosen by
+    (N, K) alone, never M: a row's sum is the same in every batch (batch invariance)."""
+    tiles, split = cdiv(N, bn), 1
+    while tiles * split * 2 <= num_sms and K // (split * 2) >= 4 * bk:
+        split *= 2
+    return split
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
-            out: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor | None, split_k: int | None = None) -> torch.Tensor:
     check(a.dim() == 2 and w.dim() == 2, "a must be [M, K] and w [N, K]")
     M, K = a.shape
     N = w.shape[0]
@@ -86,27 +135,47 @@ def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     check(out.shape == (M, N), f"out must be [{M}, {N}]")
     if M == 0:
         return out
-    bm, bn, bk, group_m = _tiles(N, K, a.dtype)
-    grid = ((cdiv(M, bm), cdiv(N, bn)) if group_m == 1
-            else (cdiv(M, bm) * cdiv(N, bn),))
+    w_int8 = scale is not None
+    bm, bn, bk, group_m = _tiles(N, K, a.dtype, w_int8)
+    if split_k is None:
+        split_k = 1 if INTERPRET or a.device.type != "cuda" else \
+            split_k_for(N, K, bn, bk, _sm_count(a.device.index or 0))
+    check(split_k >= 1, "split_k must be >= 1")
+    k_split = cdiv(cdiv(K, split_k), bk) * bk  # whole K tiles per split
+    tiles = cdiv(M, bm), cdiv(N, bn)
+    grid = (tiles if group_m == 1 else (tiles[0] * tiles[1],)) + ((split_k,) if split_k > 1 else ())
+    target, t_strides = out, (out.stride(0), out.stride(1), 0)
+    if split_k > 1:  # [M, split, N] fp32 partial sums (M first: scratch pools key on rows)
+        target = empty((M, split_k, N), torch.float32, a.device)
+        t_strides = (target.stride(0), target.stride(2), target.stride(1))
     launch(_matmul_kernel, grid,
-        a, w, scale if scale is not None else w, out, M, N, K,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        W_INT8=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        a, w, scale if w_int8 else w, target, M, N, K, k_split,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), *t_strides,
+        W_INT8=w_int8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, SPLIT_K=split_k,
         DOT_PREC=dot_precision(a.dtype), num_warps=4, num_stages=3)
+    if split_k > 1:
+        block_m = min(64, next_pow2(M)) if INTERPRET else 16
+        block_n = min(1024 if INTERPRET else 128, next_pow2(N))
+        launch(_split_k_sum_kernel, (cdiv(M, block_m), cdiv(N, block_n)),
+               target, scale if w_int8 else target, out, M, N, target.stride(0),
+               target.stride(1), out.stride(0), out.stride(1), W_INT8=w_int8, SPLIT_K=split_k,
+               BLOCK_M=block_m, BLOCK_N=block_n)
     return out
 
 
-def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a: [M, K], w: [N, K] (same float dtype) -> out: [M, N] = a @ w.T."""
+def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+           split_k: int | None = None) -> torch.Tensor:
+    """a: [M, K], w: [N, K] (same float dtype) -> out: [M, N] = a @ w.T.
+
+    ``split_k``: K splits (default: chosen per (N, K) on a GPU, 1 on the CPU)."""
     check(a.dtype == w.dtype and a.dtype.is_floating_point, "a and w must share a float dtype")
-    return _launch(a, w, None, out)
+    return _launch(a, w, None, out, split_k)
 
 
 def int8_matmul(a: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
     """a: [M, K] float, w_q: [N, K] int8, scale: [N] fp32 -> out: [M, N] = a @ (w_q * scale).T."""
     check(w_q.dtype == torch.int8, f"w_q must be int8, got {w_q.dtype}")
     check(a.dtype.is_floating_point, "a must be a float tensor")
     check(scale.shape == (w_q.shape[0],), "scale must be [N] (one per output channel)")
-    return _launch(a, w_q, scale, out)
+    return _launch(a, w_q, scale, out, split_k)

@@ -87,3 +87,90 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     else:
         _launch(q, positions, cos, sin, Hq)
         _launch(k, positions, cos, sin, k.shape[1])
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    x_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    stride_xt, stride_cp, T, num_q_heads, num_kv_heads, head_dim, HALF, max_pos, num_slots,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # Heads of the fused qkv row: [0, Hq) q, rotated in place; [Hq, Hq + Hk) k, rotated into
+    # the cache; [Hq + Hk, Hq + 2Hk) v, copied into the cache. One pass, one launch.
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_t = offs_t < T
+    pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + offs_t, mask=mask_t, other=-1).to(tl.int64)
+    rot_t = mask_t & (pos >= 0) & (pos < max_pos)
+    kv_t = mask_t & (slot >= 0) & (slot < num_slots)
+    d_ok = (offs_d < HALF)[None, None, :]
+    cs_off = pos[:, None] * stride_cp + offs_d[None, :]
+    cs_mask = rot_t[:, None] & (offs_d < HALF)[None, :]
+    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    is_q = (offs_h < num_q_heads)[None, :, None]
+    is_k = ((offs_h >= num_q_heads) & (offs_h < num_q_heads + num_kv_heads))[None, :, None]
+    is_v = ((offs_h >= num_q_heads + num_kv_heads)
+            & (offs_h < num_q_heads + 2 * num_kv_heads))[None, :, None]
+    ptrs = x_ptr + offs_t[:, None, None] * stride_xt + offs_h[None, :, None] * head_dim \
+        + offs_d[None, None, :]
+    load_mask = mask_t[:, None, None] & d_ok & (is_q | is_k | is_v)
+    x1 = tl.load(ptrs, mask=load_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=load_mask, other=0.0).to(tl.float32)
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    q_mask = rot_t[:, None, None] & d_ok & is_q
+    tl.store(ptrs, r1.to(x_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(ptrs + HALF, r2.to(x_ptr.dtype.element_ty), mask=q_mask)
+    kv_head = tl.where(is_k, offs_h[None, :, None] - num_q_heads,
+                       offs_h[None, :, None] - num_q_heads - num_kv_heads)
+    dst = slot[:, None, None] * (num_kv_heads * head_dim) + kv_head * head_dim + offs_d[None, None, :]
+    k_mask = (kv_t & rot_t)[:, None, None] & d_ok & is_k
+    tl.store(k_cache_ptr + dst, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_cache_ptr + dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    v_mask = kv_t[:, None, None] & d_ok & is_v
+    tl.store(v_cache_ptr + dst, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(v_cache_ptr + dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """``apply_rotary(q, k)`` then ``write_kv_cache(k, v)``, as one launch when q, k and v are
+    adjacent heads of one fused qkv row (the model's layout); two launches otherwise.
+    k itself is left unrotated in the fused case: only its cache copy is read afterwards."""
+    from tinyserve.kernels.kv_cache import write_kv_cache
+
+    T, Hq, Dh = q.shape
+    Hk = k.shape[1]
+    es = q.element_size()
+    fused = (q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape == (T, Hk, Dh)
+             and q.dtype == k.dtype == v.dtype and q.stride(2) == 1
+             and q.stride(1) == k.stride(1) == v.stride(1) == Dh
+             and (T == 1 or q.stride(0) == k.stride(0) == v.stride(0))
+             and k.data_ptr() == q.data_ptr() + Hq * Dh * es
+             and v.data_ptr() == k.data_ptr() + Hk * Dh * es)
+    if not fused:
+        apply_rotary(q, k, positions, cos, sin)
+        write_kv_cache(k, v, k_cache, v_cache, slots)
+        return
+    check(Dh % 2 == 0, f"head_dim must be even, got {Dh}")
+    check(positions.shape == (T,) and slots.shape == (T,), "positions and slots must be [T]")
+    check(cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == Dh // 2
+          and cos.stride() == sin.stride() and cos.stride(1) == 1,
+          f"cos/sin must be [max_pos, {Dh // 2}] with equal strides")
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, Dh)
+          and k_cache.is_contiguous() and v_cache.is_contiguous(),
+          f"caches must be contiguous [num_blocks, block_size, {Hk}, {Dh}]")
+    if T == 0:
+        return
+    heads = Hq + 2 * Hk
+    block_t = min(64, next_pow2(T)) if INTERPRET else 1
+    block_h = next_pow2(heads) if INTERPRET else min(next_pow2(heads), 16)
+    half = Dh // 2
+    launch(_rotary_kv_kernel, (cdiv(T, block_t), cdiv(heads, block_h)),
+           q, cos, sin, positions, slots, k_cache, v_cache, q.stride(0) if T > 1 else heads * Dh,
+           cos.stride(0), T, Hq, Hk, Dh, half, cos.shape[0], k_cache.shape[0] * k_cache.shape[1],
+           BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half))

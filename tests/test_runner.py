@@ -166,7 +166,7 @@ def test_warm_up_records_every_bucket_so_serving_records_none(stories_dir):
     info = runner.warm_up()
     assert info["buckets"] == [1, 2, 4, 5] and set(runner._recorded) == {1, 2, 4, 5}
     assert info["cuda_graphs"] is False and info["sampling_variants"] == 6 * 4
-    # chunks of 16 and 17, a mixed step, and one decode per split count (one on the CPU)
+    # chunks of 16 and 17, a mixed step, and a decode with one split (the only one on the CPU)
     assert runner.eager_warm_shapes() == [((), (16,)), ((), (17,)), ((1,), (16,)), ((512,), ())]
     assert info["eager_shapes"] == 4
     recorded = dict(runner._recorded)

@@ -60,6 +60,8 @@ def exercise(dtype):
     K.apply_rotary(q, k, torch.arange(T), torch.randn(T, Dh // 2), torch.randn(T, Dh // 2))
     kc, vc = r(8, 16, Hk, Dh), r(8, 16, Hk, Dh)
     K.write_kv_cache(k, v, kc, vc, torch.arange(T))
+    K.rotary_and_write_kv(q, k, v, torch.arange(T), torch.randn(T, Dh // 2),
+                          torch.randn(T, Dh // 2), kc, vc, torch.arange(T))
     K.matmul(r(T, D), r(I, D))
     lin = quantize_int8(torch.randn(I, D))
     K.int8_matmul(r(T, D), lin.weight, lin.scale)
@@ -116,10 +118,14 @@ def exercise_llama3_8b():
     K.apply_rotary(q, k, torch.arange(T), torch.randn(8192, Dh // 2), torch.randn(8192, Dh // 2))
     kc, vc = e(64, 16, Hk, Dh), e(64, 16, Hk, Dh)
     K.write_kv_cache(k, v, kc, vc, torch.arange(T))
+    cos, sin = torch.randn(8192, Dh // 2), torch.randn(8192, Dh // 2)
+    K.rotary_and_write_kv(q, k, v, torch.arange(T), cos, sin, kc, vc, torch.arange(T))
     K.matmul(e(B, D), e(Hq * Dh + 2 * Hk * Dh, D))
     K.silu_and_mul(e(B, 2 * I))
     lin = quantize_int8(torch.randn(256, D))
     K.int8_matmul(e(B, D), lin.weight, lin.scale)
+    K.matmul(e(B, D), e(D, D), split_k=4)  # o_proj's split-K on 132 SMs, and its sum kernel
+    K.int8_matmul(e(B, D), lin.weight, lin.scale, split_k=4)
     tables = torch.zeros((2 * B + 1, 512), dtype=torch.int32)
     K.token_attention_paged(e(B, Hq, Dh), kc, vc, tables, torch.full((B,), 8192), 8192,
                             table_rows=torch.arange(B))

@@ -184,3 +184,17 @@ def test_table_rows_read_a_persistent_table(device):
     with pytest.raises(ValueError, match="table_rows"):
         token_attention_paged(q, k_cache, v_cache, persistent, seq_lens, max(lens),
                               table_rows=table_rows[:2])
+
+
+def test_decode_merges_more_splits_than_one_merge_tile(device):
+    """19 and 2 splits of 32 keys: the merge runs over its splits 16 at a time (two iterations
+    with a running max for the long row) and still equals the reference."""
+    lens = [600, 40]
+    k_cache, v_cache, tables, dense = make_paged(lens, 2, 16, 16, torch.float32, device, seed=31)
+    q = torch.randn(len(lens), 8, 16, generator=torch.Generator().manual_seed(32)).to(device)
+    out = token_attention_paged(q, k_cache, v_cache, tables,
+                                torch.tensor(lens, dtype=torch.int32, device=device), max(lens),
+                                split_size=32, block_n=16)
+    for b, n in enumerate(lens):
+        ref = ref_attention(q[b : b + 1], *dense[b], torch.tensor([n - 1], device=device))
+        torch.testing.assert_close(out[b : b + 1], ref, atol=2e-5, rtol=1e-4)

@@ -176,3 +176,52 @@ def test_update_block_table_scatters_new_blocks(device):
     assert torch.equal(big, torch.arange(1200, dtype=torch.int32, device=device).view(40, 30) + 5)
     with pytest.raises(ValueError, match="updates"):
         update_block_table(table, torch.zeros((2, 4), dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,Hq,Hk,Dh", [(1, 8, 4, 8), (5, 4, 4, 16), (70, 8, 2, 24), (3, 32, 8, 128)])
+def test_rotary_and_kv_write_in_one_launch_equals_the_two_kernels(device, dtype, T, Hq, Hk, Dh,
+                                                                   monkeypatch):
+    """Fused rotary + KV write on a fused qkv row: q rotated in place, rotated k and raw v in
+    the cache, bit-identical to apply_rotary then write_kv_cache; slot -1 writes nothing."""
+    import tinyserve.kernels.rotary as rotary_mod
+    from tinyserve.kernels import rotary_and_write_kv
+
+    g = torch.Generator().manual_seed(T * Hq + Dh)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device, dtype)
+    cos = torch.randn(300, Dh // 2, generator=g).to(device)
+    sin = torch.randn(300, Dh // 2, generator=g).to(device)
+    pos = torch.randint(0, 300, (T,), generator=g).to(device)
+    slots = torch.randperm(16 * 8, generator=g)[:T].to(device)
+    slots[0] = -1  # padding: no write
+    views = lambda x: (x[:, : Hq * Dh].view(T, Hq, Dh),  # noqa: E731
+                       x[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh), x[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
+    ref_qkv = qkv.clone()
+    rq, rk, rv = views(ref_qkv)
+    ref_kc = torch.full((16, 8, Hk, Dh), 7.0, dtype=dtype, device=device)
+    ref_vc = ref_kc.clone()
+    apply_rotary(rq, rk, pos, cos, sin)
+    write_kv_cache(rk, rv, ref_kc, ref_vc, slots)
+    kc, vc = torch.full_like(ref_kc, 7.0), torch.full_like(ref_vc, 7.0)
+    launches = []
+    real_launch = rotary_mod.launch
+    monkeypatch.setattr(rotary_mod, "launch", lambda *a, **k: (launches.append(a[0]), real_launch(*a, **k)))
+    q, k, v = views(qkv)
+    rotary_and_write_kv(q, k, v, pos, cos, sin, kc, vc, slots)
+    assert len(launches) == 1
+    assert torch.equal(q, rq) and torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+
+
+def test_rotary_and_kv_write_falls_back_for_separate_tensors(device):
+    from tinyserve.kernels import rotary_and_write_kv
+
+    T, H, Dh = 4, 2, 8
+    q, k, v = (torch.randn(T, H, Dh, device=device) for _ in range(3))  # not one fused row
+    cos, sin = torch.randn(16, Dh // 2, device=device), torch.randn(16, Dh // 2, device=device)
+    pos = torch.arange(T, device=device)
+    slots = torch.arange(T, device=device)
+    rq, rk = q.clone(), k.clone()
+    apply_rotary(rq, rk, pos, cos, sin)
+    kc, vc = torch.zeros(1, 8, H, Dh, device=device), torch.zeros(1, 8, H, Dh, device=device)
+    rotary_and_write_kv(q, k, v, pos, cos, sin, kc, vc, slots)
+    assert torch.equal(q, rq) and torch.equal(kc[0, :T], rk) and torch.equal(vc[0, :T], v)

@@ -63,3 +63,43 @@ def test_int8_matmul_rejects_float_weights(device):
 def test_matmul_rejects_mismatched_inner_size(device):
     with pytest.raises(ValueError, match="inner sizes"):
         matmul(torch.randn(2, 4, device=device), torch.randn(3, 5, device=device))
+
+
+@pytest.mark.parametrize("split", [2, 3, 4])
+@pytest.mark.parametrize("M,N,K", [(1, 64, 640), (5, 172, 700), (70, 100, 1000)])
+def test_split_k_matches_the_reference_fp_and_int8(device, split, M, N, K):
+    """Split-K (K cut into whole tiles per split, partials summed in a fixed order, the int8
+    scale applied after the sum) against the torch reference; K is never a multiple here."""
+    g = torch.Generator().manual_seed(M + N + K + split)
+    a = torch.randn(M, K, generator=g).to(device)
+    w = torch.randn(N, K, generator=g).to(device)
+    torch.testing.assert_close(matmul(a, w, split_k=split), a @ w.T, atol=2e-4, rtol=1e-5)
+    w_q, scale = quantize(w.cpu())
+    w_q, scale = w_q.to(device), scale.to(device)
+    ref = a @ (w_q.float() * scale[:, None]).T
+    torch.testing.assert_close(int8_matmul(a, w_q, scale, split_k=split), ref, atol=2e-4, rtol=1e-5)
+    half = a.half()
+    torch.testing.assert_close(matmul(half, w.half(), split_k=split).float(), a @ w.T,
+                               atol=0.1, rtol=2e-2)
+
+
+def test_split_k_rows_are_batch_invariant(device):
+    # pins: a split-K row's partial sums and their order depend on (N, K, split), never on M
+    a = torch.randn(70, 1000, device=device)
+    w = torch.randn(90, 1000, device=device)
+    full = matmul(a, w, split_k=4)
+    assert torch.equal(matmul(a[3:4], w, split_k=4)[0], full[3])
+    assert torch.equal(matmul(a[60:], w, split_k=4), full[60:])
+
+
+def test_split_k_policy_fills_the_sms_by_n_and_k_only():
+    from tinyserve.kernels.matmul import split_k_for
+
+    sms = 132  # H100 / H200
+    assert split_k_for(4096, 4096, 128, 64, sms) == 4  # o_proj: 32 column tiles -> 128 programs
+    assert split_k_for(4096, 14336, 128, 64, sms) == 4  # down_proj
+    assert split_k_for(6144, 4096, 128, 64, sms) == 2  # fused qkv: 48 tiles
+    assert split_k_for(28672, 4096, 128, 64, sms) == 1  # gate_up: already 224 tiles
+    assert split_k_for(128256, 4096, 128, 64, sms) == 1  # lm_head
+    assert split_k_for(4096, 512, 128, 64, sms) == 2  # short K: >= 4 K tiles per split
+    assert split_k_for(64, 64, 128, 64, sms) == 1

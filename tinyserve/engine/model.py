@@ -19,14 +19,13 @@ import torch
 from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig
 from tinyserve.kernels import (
     add_rmsnorm,
-    apply_rotary,
     context_attention_paged,
     gather_rows,
     int8_matmul,
     matmul,
+    rotary_and_write_kv,
     silu_and_mul,
     token_attention_paged,
-    write_kv_cache,
 )
 from tinyserve.kernels.utils import empty, phase
 
@@ -98,9 +97,9 @@ class LlamaModel:
         q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
         k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
         v = qkv[:, (Hq + Hk) * Dh :].view(T, Hk, Dh)
-        apply_rotary(q, k, batch.positions, self.cos, self.sin)
         k_cache, v_cache = kv
-        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        rotary_and_write_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache,
+                            batch.slot_mapping)
         o = empty((T, Hq, Dh), x.dtype, x.device)
         D = batch.num_decodes
         if D:

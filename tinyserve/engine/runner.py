@@ -284,17 +284,15 @@ class ModelRunner:
     def eager_warm_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(decode lengths, prefill chunk lengths) of the eager steps the warm-up runs: chunks
         of 16 and 17 tokens (Triton specializes integer arguments on divisibility by 16), a
-        mixed step, and one decode at each power-of-two split count up to max_model_len (the
-        merge kernel is compiled per split count)."""
+        mixed step, and decodes with one split and with several (merged) when max_model_len
+        allows more than one."""
         from tinyserve.kernels.attention_decode import default_split_size
 
-        shapes = [((), (16,)), ((), (17,)), ((1,), (16,))]
-        split, n = default_split_size(), 1
-        while True:
-            shapes.append(((min(n * split, self.max_model_len),), ()))
-            if n * split >= self.max_model_len:
-                return shapes
-            n *= 2
+        split, longest = default_split_size(), self.max_model_len
+        shapes = [((), (16,)), ((), (17,)), ((1,), (16,)), ((min(split, longest),), ())]
+        if longest > split:
+            shapes.append(((longest,), ()))
+        return shapes
 
     def _warm_eager(self, dec_lens: tuple[int, ...], pre_lens: tuple[int, ...]) -> None:
         """One eager forward pass of that shape on nothing: every row reads the all-zero padding
