@@ -29,7 +29,7 @@ from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.loader import ModelConfig
 from tinyserve.engine.model import ForwardBatch, KVCache, LlamaModel
 from tinyserve.kernels import sample, update_block_table
-from tinyserve.kernels.utils import Recording, recording
+from tinyserve.kernels.utils import INTERPRET, Recording, recording
 from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -199,11 +199,15 @@ class ModelRunner:
             raise ValueError("a decode step entry does not sample")
         self._stage_sampling(seqs)
         self._push_updates(updates, statics=True)
-        rec, logits, graph = self._recorded.get(B) or self._record(B)
-        if graph is not None:
-            graph.replay()
+        recorded = self._recorded.get(B)
+        if recorded is None:  # first use of the bucket: recording it ran this very step
+            logits = self._record(B)[1]
         else:
-            rec.replay()
+            rec, logits, graph = recorded
+            if graph is not None:
+                graph.replay()
+            else:
+                rec.replay()
         return logits[:n], sampled
 
     def _stage_sampling(self, seqs: list[ScheduledSeq]) -> None:
@@ -239,11 +243,23 @@ class ModelRunner:
         self._recorded[B] = (rec, logits, graph)
         return self._recorded[B]
 
-    def warm_up(self) -> dict:
+    def warm_up(self, compile_all: bool | None = None) -> dict:
         """Record (and on a GPU capture) every decode bucket, run every sampling variant at
         every bucket size and the eager shapes of ``eager_warm_shapes``, so that no kernel
-        specialization is compiled while serving."""
+        specialization is compiled while serving.
+
+        ``compile_all`` (default: not under the interpreter): the interpreter compiles nothing
+        and a bucket recorded on first use costs that step nothing extra (the recording run
+        is the step), so on the CPU the warm-up does nothing unless asked to."""
         t0 = time.perf_counter()
+        if compile_all is None:
+            compile_all = not INTERPRET
+        if not compile_all:
+            log.info("warm-up: interpreter, nothing to compile; decode buckets %s are recorded "
+                     "on first use", list(self.buckets))
+            return {"buckets": [], "cuda_graphs": False, "sampling_variants": 0,
+                    "eager_shapes": 0, "scratch_mib": 0.0, "seconds": 0.0,
+                    "capacity": self.statics.cap}
         shapes = self.eager_warm_shapes()
         for dec_lens, pre_lens in shapes:
             self._warm_eager(dec_lens, pre_lens)
