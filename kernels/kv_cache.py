@@ -81,6 +81,8 @@ def update_block_table(table: torch.Tensor, updates: torch.Tensor) -> None:
     n = updates.shape[0]
     if n == 0:
         return
-    block = min(1024, next_pow2(n))
+    # GPU: one fixed block (n changes every step: a block size per n would be a compile per
+    # power of two while serving); the interpreter: few programs.
+    block = min(1024, next_pow2(n)) if INTERPRET else 256
     launch(_scatter_table_kernel, (cdiv(n, block),), table, updates, table.stride(0), n,
            table.shape[0], table.shape[1], BLOCK=block)

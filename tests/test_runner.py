@@ -130,7 +130,7 @@ def test_greedy_is_identical_with_and_without_bucket_padding(llms):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # bit for bit: the padding never touches a real row
     runner = llms[False].engine.runner
-    assert {8, 4, 2, 1} <= set(runner._recorded), "the padded path did not run"
+    assert {8, 4, 2, 1} <= {b for b, _ in runner._recorded}, "the padded path did not run"
     assert not llms[True].engine.runner._recorded
 
 
@@ -147,6 +147,8 @@ def test_runner_tables_are_released_and_a_freed_only_plan_runs(llms):
     llm.generate(PROMPTS[:3], GREEDY)
     pending = llm.core.scheduler._freed  # released after their last step: sent with the next plan
     assert len(runner.tables) == len(pending) == 3
+    # the device table mirrors the host's (every host write went down as an update)
+    assert torch.equal(runner.table_dev.cpu(), torch.from_numpy(runner.tables.host))
     result = runner.execute(StepPlan(10**6, (), freed=tuple(pending)))
     assert result.outputs == () and len(runner.tables) == 0
     llm.core.scheduler._freed.clear()
@@ -165,14 +167,58 @@ def test_warm_up_records_every_bucket_so_serving_records_none(stories_dir):
     runner = llm.engine.runner
     assert runner.warm_up()["buckets"] == []  # the interpreter: nothing to compile, recorded lazily
     info = runner.warm_up(compile_all=True)  # what a GPU runs
-    assert info["buckets"] == [1, 2, 4, 5] and set(runner._recorded) == {1, 2, 4, 5}
+    assert info["buckets"] == [1, 2, 4, 5] and info["split_classes"] == [512]  # (CPU split 4096)
+    assert set(runner._recorded) == {(1, 512), (2, 512), (4, 512), (5, 512)}
     assert info["cuda_graphs"] is False and info["sampling_variants"] == 6 * 4
-    # chunks of 16 and 17, a mixed step, and a decode with one split (the only one on the CPU)
-    assert runner.eager_warm_shapes() == [((), (16,)), ((), (17,)), ((1,), (16,)), ((512,), ())]
-    assert info["eager_shapes"] == 4
+    # chunks of 16 and 17 alone, 16 rows of 32, then 1/2/15/16 decodes beside a chunk of 16,
+    # at one KV split (the only split on the CPU: 4096 keys)
+    shapes = runner.eager_warm_shapes()
+    assert shapes[:3] == [((), (16,)), ((), (17,)), ((512,) * 15, (17,))]
+    assert shapes[3:] == [((512,) * n, (16,)) for n in (1, 2, 15, 16)]
+    assert info["eager_shapes"] == 7
     recorded = dict(runner._recorded)
     llm.generate(PROMPTS[:5], SamplingParams(max_tokens=6, temperature=0.0))
-    assert runner._recorded == recorded  # the same recordings, nothing new
+    assert runner._recorded == recorded  # serving (which records what it lacks) added nothing
+
+
+def test_split_classes_round_the_longest_sequence_up_to_a_power_of_two_of_splits(llms):
+    runner = llms[False].engine.runner
+    from tinyserve.kernels.attention_decode import default_split_size
+
+    split = default_split_size()
+    runner.max_model_len, saved = 5 * split, runner.max_model_len
+    try:
+        assert runner.split_classes() == [split, 2 * split, 4 * split, 5 * split]
+        assert runner._split_class(1) == split and runner._split_class(split + 1) == 2 * split
+        assert runner._split_class(3 * split) == 4 * split
+        assert runner._split_class(4 * split + 1) == 5 * split  # capped
+    finally:
+        runner.max_model_len = saved
+
+
+def test_a_budget_cut_one_token_prompt_chunk_next_to_decodes_runs_eager(stories_dir):
+    # max_num_batched_tokens == max_num_seqs: three 2-token prompts decode, the long one gets
+    # the one token left beside them, a chunk that does not sample (steps 3-5); such a step
+    # cannot take the decode buckets
+    outs, cut_steps = {}, []
+    for eager in (False, True):
+        llm = LLM(str(stories_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=4,
+                  enforce_eager=eager)
+        execute = llm.engine.runner.execute
+
+        def watch(plan, execute=execute):
+            if plan.seqs and all(len(s.token_ids) == 1 for s in plan.seqs) \
+                    and not all(s.sample for s in plan.seqs):
+                cut_steps.append(plan.step_id)
+            return execute(plan)
+
+        llm.engine.runner.execute = watch
+        outs[eager] = [o.token_ids for o in llm.generate(
+            [[1, 403], [1, 300], [1, 200], [1, 400, 401, 402, 403]],
+            SamplingParams(max_tokens=5, temperature=0.0))]
+        assert all(len(t) == 5 for t in outs[eager])
+    assert cut_steps, "the scenario did not come up"
+    assert outs[False] == outs[True]
 
 
 def test_executor_hands_a_plan_of_only_freed_rows_to_the_runner():

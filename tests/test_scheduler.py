@@ -39,6 +39,8 @@ class FakeExecutor:
             self.tables.pop(seq_id, None)
         for s in plan.seqs:
             if s.first_block == 0:
+                # a (re)start: the scheduler must have freed any row it had before
+                assert s.seq_id not in self.tables, f"seq {s.seq_id} restarted without a free"
                 self.tables[s.seq_id] = list(s.new_blocks)
             else:
                 table = self.tables[s.seq_id]
@@ -94,11 +96,21 @@ def run(sched, ex, seqs, max_steps=10_000, on_step=None):
         assert len(plan.seqs) <= sched.cfg.max_num_seqs
         sched.update(plan, ex.execute(plan))
         sched.kv.pool.check_integrity()
+        check_tables(sched, ex)
         if on_step:
             on_step(plan)
         steps += 1
         assert steps < max_steps
     return {s.seq_id: (tuple(s.output_token_ids), s.finish_reason) for s in seqs}
+
+
+def check_tables(sched, ex):
+    """No step in flight: the runner holds a row for exactly the sequences that were sent
+    blocks and not freed since, and each row is the sequence's leading blocks."""
+    sent = {sid: s for sid, s in sched.seqs.items() if s.blocks_sent}
+    assert set(ex.tables) == set(sent) | set(sched._freed), (set(ex.tables), set(sent))
+    for sid, s in sent.items():
+        assert ex.tables[sid] == s.block_ids[: s.blocks_sent], sid
 
 
 def test_all_requests_finish_with_length_and_free_every_block():
@@ -429,12 +441,13 @@ def run_ahead(sched, ex, seqs, on_plan=None):
                                "token_ids": s.token_ids[:-1] + (sampled[s.seq_id],)})
             assert PLACEHOLDER not in s.token_ids
             filled.append(s)
-        result = ex.execute(StepPlan(plan.step_id, tuple(filled)))
+        result = ex.execute(StepPlan(plan.step_id, tuple(filled), freed=plan.freed))
         sampled = {o.seq_id: o.token_id for o in result.outputs}
         sched.update(plan, result)
         sched.kv.pool.check_integrity()
         steps += 1
         assert steps < 10_000
+    assert set(ex.tables) == set(sched._freed)  # every row is freed with the next plan
     return {s.seq_id: (tuple(s.output_token_ids), s.finish_reason) for s in seqs}
 
 

@@ -136,7 +136,85 @@ def exercise_llama3_8b():
     K.sample(logits, *p, all_greedy=True)
 
 
+def _tiny_runner(max_num_seqs: int, max_model_len: int):
+    """A ModelRunner with GPU launch configurations on CPU tensors (weights never read)."""
+    from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
+    from tinyserve.engine.model import LlamaModel
+    from tinyserve.engine.runner import KVCacheSpec, ModelRunner
+
+    cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=8, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, rope_scaling=None, max_position_embeddings=max_model_len,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+                      torch_dtype="bfloat16")
+    e = lambda *s: torch.empty(*s, dtype=torch.bfloat16)  # noqa: E731
+    D, I, q, kv = 256, 512, 8 * 128, 2 * 128
+    layers = [LayerWeights(e(D), Linear(e(q + 2 * kv, D)), Linear(e(D, q)), e(D),
+                           Linear(e(2 * I, D)), Linear(e(D, I))) for _ in range(2)]
+    weights = LlamaWeights(e(1000, D), layers, e(D), Linear(e(1000, D)))
+    cos, sin = rope_tables(cfg, max_model_len, "cpu")
+    spec = KVCacheSpec(512, 16, 2, 2, 128, torch.bfloat16)
+    return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu",
+                       max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+
+
+def warm_up_coverage() -> int:
+    """Every specialization serving meets must have been launched by the warm-up: launch keys
+    as Triton's JIT computes them (bound arguments, specialization, constexprs, options) for
+    the warm-up, then for steps of every kind and size; a key serving adds is a compile that
+    would happen while serving."""
+    from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
+
+    def keys():
+        return {compile_like_the_jit(fn, a, k)[0] for fn, a, k in captured}
+
+    runner = _tiny_runner(max_num_seqs=16, max_model_len=2048)
+    captured.clear()
+    runner.warm_up(compile_all=True)
+    warm = keys()
+    captured.clear()
+    variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3),
+                SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=5),
+                SamplingParams(temperature=0.8, top_p=0.9),
+                SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logprobs=2)]
+    ids = iter(range(10**6))
+    step = iter(range(1, 10**6))
+
+    def run(decode_lens, chunks, params):
+        seqs = []
+        for n in decode_lens:  # decodes at context n
+            seqs.append(ScheduledSeq(next(ids), (5,), n - 1, tuple(range(-(-n // 16))), True,
+                                     params, 0))
+        for ctx, n, last in chunks:  # prefill chunks: n tokens after ctx cached ones
+            seqs.append(ScheduledSeq(next(ids), (5,) * n, ctx, tuple(range(-(-(ctx + n) // 16))),
+                                     last, params, 0))
+        runner.execute(StepPlan(next(step), tuple(seqs)))
+        runner.execute(StepPlan(next(step), (), freed=tuple(s.seq_id for s in seqs)))
+
+    for params in variants:
+        for n in range(1, 17):
+            run([3 + 7 * i for i in range(n)], [], params)  # short contexts
+            run([2048 - i for i in range(n)], [], params)  # long ones: several splits
+    for d in (0, 1, 2, 3, 15, 16):
+        for chunk in (1, 2, 3, 15, 16, 17, 31, 32, 33, 100):
+            for ctx, last in ((0, True), (40, False), (1000, True)):
+                run([50 + i for i in range(d)], [(ctx, chunk, last)], variants[0])
+    run([], [(0, 5, True), (3, 17, False), (0, 33, True)], variants[-1])
+    served = keys()
+    missing = served - warm
+    for key in sorted(missing):  # the closest warm-up key, and how this one differs
+        near = min((k for k in warm if k[0] == key[0]), default=None,
+                   key=lambda k: sum(a != b for a, b in zip(k, key, strict=True)))
+        diff = [(i, key[i][:300]) for i in range(1, 5) if near is None or key[i] != near[i]]
+        print(f"not warmed up: {key[0]} {diff}")
+    print(f"warm-up launched {len(warm)} specializations; serving used {len(served)}, "
+          f"{len(missing)} of them not warmed up")
+    return 1 if missing else 0
+
+
 def main() -> int:
+    if "--warm-up" in sys.argv:
+        return warm_up_coverage()
     show_resources = "--resources" in sys.argv
     seen = set()
     for dtype in (torch.float16, torch.bfloat16, torch.float32, "llama3-8b"):

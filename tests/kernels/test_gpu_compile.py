@@ -27,3 +27,16 @@ def test_all_kernels_compile_for_hopper():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "kernel variants compiled for sm_90" in out.stdout
     assert "_sample_kernel" in out.stdout and "_merge_splits_kernel" in out.stdout
+
+
+def test_the_warm_up_launches_every_specialization_serving_needs():
+    """With the GPU's launch configurations (launches recorded, not run), the runner's warm-up
+    is compared with decode, prefill and mixed steps of every size, context and sampling
+    variant: every key Triton's JIT would compile for serving must have been launched by the
+    warm-up (else a compile stalls a step while serving)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, str(SCRIPT), "--warm-up"], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert ", 0 of them not warmed up" in out.stdout

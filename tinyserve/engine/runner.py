@@ -29,7 +29,7 @@ from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.loader import ModelConfig
 from tinyserve.engine.model import ForwardBatch, KVCache, LlamaModel
 from tinyserve.kernels import sample, update_block_table
-from tinyserve.kernels.utils import INTERPRET, Recording, recording
+from tinyserve.kernels.utils import INTERPRET, Recording, next_pow2, recording
 from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,25 @@ class _Statics:
         self.temperature, self.top_p = d[52 * cap: 60 * cap].view(torch.float32).view(2, cap).unbind(0)
         self.upd = d[self.upd_offset:].view(torch.int64).view(max_updates, 3)
 
+        # On a GPU the copy is asynchronous: the host buffer is not written again until the
+        # last copy out of it has run (steps usually sync on their sampled tokens anyway).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def writable(self) -> None:
+        """Wait until the host buffer may be written (call before staging a step)."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+
     def push(self, num_updates: int, statics: bool = True) -> None:
         start = 0 if statics else self.upd_offset
         end = self.upd_offset + 24 * num_updates
         if end > start:
             self.dev[start:end].copy_(self.host[start:end], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+                self._pending = True
 
 
 class ModelRunner:
@@ -132,16 +146,25 @@ class ModelRunner:
         self.buckets = () if enforce_eager else decode_buckets(max_num_seqs)
         self.statics = _Statics(max(self.buckets, default=1), max(256, 2 * width), self.device)
         self._pools: dict = {}  # scratch buffers shared by every bucket's recording
-        self._recorded: dict[int, tuple[Recording, torch.Tensor, object]] = {}
+        # (bucket, split class) -> (recording, its logits buffer, its CUDA graph or None)
+        self._recorded: dict[tuple[int, int], tuple[Recording, torch.Tensor, object]] = {}
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
+        # Every check that can refuse the step runs before the table changes (the host mirror
+        # and the device table must not part ways over a refused step).
+        max_pos = self.model.cos.shape[0]
+        if seqs and max(s.start_pos + len(s.token_ids) for s in seqs) > max_pos:
+            raise ValueError(f"a position is beyond the rotary table ({max_pos})")
+        self.statics.writable()
         rows, updates = self.tables.apply(plan.freed, seqs)
+        # Buckets take decodes that all sample (a one-token prompt chunk cut short by the
+        # token budget does not: that step runs eager).
         bucketed = bool(seqs) and len(seqs[-1].token_ids) == 1 \
-            and len(seqs) <= (self.buckets or (0,))[-1]
+            and len(seqs) <= (self.buckets or (0,))[-1] and all(s.sample for s in seqs)
         if bucketed:
             logits, sampled = self._decode_bucket(seqs, rows, updates)
         else:
@@ -181,8 +204,6 @@ class ModelRunner:
         st, bs = self.statics, self.kv_spec.block_size
         i64 = st.h_i64
         pos = np.fromiter((s.start_pos for s in seqs), np.int64, n)
-        if int(pos.max()) >= self.model.cos.shape[0]:
-            raise ValueError(f"position {int(pos.max())} is beyond the rotary table")
         row = np.asarray(rows, dtype=np.int64)
         i64[0, :n] = [s.token_ids[0] for s in seqs]
         i64[1, :n] = pos
@@ -194,21 +215,39 @@ class ModelRunner:
         i64[2, n:B] = -1
         i64[3, n:B] = 1
         i64[4, n:B] = self.tables.pad_row
-        sampled = [s for s in seqs if s.sample]
-        if len(sampled) != n:  # (every decode samples; guard the row mapping anyway)
-            raise ValueError("a decode step entry does not sample")
         self._stage_sampling(seqs)
         self._push_updates(updates, statics=True)
-        recorded = self._recorded.get(B)
-        if recorded is None:  # first use of the bucket: recording it ran this very step
-            logits = self._record(B)[1]
+        key = (B, self._split_class(int(pos.max()) + 1))
+        recorded = self._recorded.get(key)
+        if recorded is None:  # first use: recording it ran this very step
+            logits = self._record(*key)[1]
         else:
             rec, logits, graph = recorded
             if graph is not None:
                 graph.replay()
             else:
                 rec.replay()
-        return logits[:n], sampled
+        return logits[:n], seqs
+
+    def _split_class(self, longest: int) -> int:
+        """The decode length a recording is sized for: the batch's longest sequence rounded up
+        to a power-of-two number of KV splits (capped at max_model_len). A fixed grid must
+        cover the longest; one per power of two keeps short batches off a 128k-sized grid of
+        idle programs, at log2(max_model_len / split) recordings per bucket."""
+        from tinyserve.kernels.attention_decode import default_split_size
+
+        split = default_split_size()
+        return min(next_pow2(-(-longest // split)) * split, self.max_model_len)
+
+    def split_classes(self) -> list[int]:
+        from tinyserve.kernels.attention_decode import default_split_size
+
+        classes, n, split = [], 1, default_split_size()
+        while True:
+            classes.append(min(n * split, self.max_model_len))
+            if n * split >= self.max_model_len:
+                return classes
+            n *= 2
 
     def _stage_sampling(self, seqs: list[ScheduledSeq]) -> None:
         n, st = len(seqs), self.statics
@@ -218,30 +257,30 @@ class ModelRunner:
         st.h_f32[0, :n] = [p.temperature for p in params]
         st.h_f32[1, :n] = [p.top_p for p in params]
 
-    def _bucket_batch(self, B: int) -> ForwardBatch:
+    def _bucket_batch(self, B: int, max_len: int) -> ForwardBatch:
         st = self.statics
         none = st.lens[:0]
         return ForwardBatch(
             input_ids=st.ids[:B], positions=st.pos[:B], slot_mapping=st.slots[:B], num_decodes=B,
             block_tables=self.table_dev, decode_rows=st.rows[:B], decode_seq_lens=st.lens[:B],
-            decode_max_seq_len=self.max_model_len,  # fixed: one split count per bucket
+            decode_max_seq_len=max_len,  # sizes the split grid: fixed per recording
             prefill_rows=none, prefill_seq_lens=none, prefill_q_start=st.lens[:1],
             prefill_max_q_len=0, logits_indices=None)
 
-    def _record(self, B: int) -> tuple[Recording, torch.Tensor, object]:
-        """Record bucket B's forward pass (it runs once, on whatever the statics hold), and
-        capture it as a CUDA graph on a GPU."""
+    def _record(self, B: int, max_len: int) -> tuple[Recording, torch.Tensor, object]:
+        """Record bucket B's forward pass for sequences up to max_len (it runs once, on
+        whatever the statics hold), and capture it as a CUDA graph on a GPU."""
         rec = Recording(self.buckets[-1], self._pools)
         with recording(rec):
-            logits = self.model.forward(self._bucket_batch(B), self.kv_cache)
+            logits = self.model.forward(self._bucket_batch(B, max_len), self.kv_cache)
         graph = None
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 rec.replay()
-        self._recorded[B] = (rec, logits, graph)
-        return self._recorded[B]
+        self._recorded[B, max_len] = (rec, logits, graph)
+        return self._recorded[B, max_len]
 
     def warm_up(self, compile_all: bool | None = None) -> dict:
         """Record (and on a GPU capture) every decode bucket, run every sampling variant at
@@ -260,10 +299,11 @@ class ModelRunner:
             return {"buckets": [], "cuda_graphs": False, "sampling_variants": 0,
                     "eager_shapes": 0, "scratch_mib": 0.0, "seconds": 0.0,
                     "capacity": self.statics.cap}
+        st = self.statics
+        self._warm_table_updates()
         shapes = self.eager_warm_shapes()
         for dec_lens, pre_lens in shapes:
             self._warm_eager(dec_lens, pre_lens)
-        st = self.statics
         cap = st.cap
         st.h_i64[0:2] = 0
         st.h_i64[2] = -1
@@ -275,8 +315,9 @@ class ModelRunner:
         st.h_f32[1] = 0.9
         st.push(0)
         for B in self.buckets:
-            if B not in self._recorded:
-                self._record(B)
+            for max_len in self.split_classes():
+                if (B, max_len) not in self._recorded:
+                    self._record(B, max_len)
         sizes = self.buckets or (1,)
         launches = 0
         for B in sizes:
@@ -287,27 +328,32 @@ class ModelRunner:
                 launches += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        info = {"buckets": list(self.buckets), "cuda_graphs": self.use_graphs,
+        info = {"buckets": list(self.buckets), "split_classes": self.split_classes(),
+                "recordings": len(self._recorded), "cuda_graphs": self.use_graphs,
                 "sampling_variants": launches, "eager_shapes": len(shapes),
                 "scratch_mib": round(self.scratch_bytes / 2**20, 1),
                 "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
-        log.info("warm-up: %d decode buckets %s recorded%s, %d sampling variants, %d eager "
-                 "shapes, %.1f MiB scratch, %.2f s", len(self.buckets), list(self.buckets),
+        log.info("warm-up: %d decode buckets %s x %d split classes recorded%s, %d sampling "
+                 "variants, %d eager shapes, %.1f MiB scratch, %.2f s", len(self.buckets),
+                 list(self.buckets), len(self.split_classes()),
                  " and captured as CUDA graphs" if self.use_graphs else "", launches,
                  len(shapes), info["scratch_mib"], info["seconds"])
         return info
 
     def eager_warm_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """(decode lengths, prefill chunk lengths) of the eager steps the warm-up runs: chunks
-        of 16 and 17 tokens (Triton specializes integer arguments on divisibility by 16), a
-        mixed step, and decodes with one split and with several (merged) when max_model_len
-        allows more than one."""
+        """(decode lengths, prefill chunk lengths) of the eager steps the warm-up runs. Triton
+        specializes an integer argument on being 1 or a multiple of 16, so: chunks of 16 and
+        17 tokens alone, 16 rows sampled of 32; then 1, 2, 15 and 16 decodes beside a 16-token
+        chunk (2 to 17 rows sampled), each at one KV split and at several when max_model_len
+        allows them.
+        (tests/kernels/gpu_compile_check.py --warm-up checks that serving needs no more.)"""
         from tinyserve.kernels.attention_decode import default_split_size
 
         split, longest = default_split_size(), self.max_model_len
-        shapes = [((), (16,)), ((), (17,)), ((1,), (16,)), ((min(split, longest),), ())]
-        if longest > split:
-            shapes.append(((longest,), ()))
+        lengths = [min(split, longest)] + ([longest] if longest > split else [])
+        shapes = [((), (16,)), ((), (17,)), ((lengths[0],) * 15, (17,))]  # (16 rows of 32)
+        for n in (1, 2, 15, 16):
+            shapes += [((length,) * n, (16,)) for length in lengths]
         return shapes
 
     def _warm_eager(self, dec_lens: tuple[int, ...], pre_lens: tuple[int, ...]) -> None:
@@ -329,8 +375,30 @@ class ModelRunner:
             decode_seq_lens=ints(dec_lens), decode_max_seq_len=max(dec_lens, default=0),
             prefill_rows=ints([pad] * len(pre_lens)), prefill_seq_lens=ints(pre_lens),
             prefill_q_start=ints(q_start), prefill_max_q_len=max(pre_lens, default=0),
-            logits_indices=ints([T - 1], torch.int64))
-        self.model.forward(batch, self.kv_cache)
+            logits_indices=ints(list(range(len(dec_lens))) + [len(dec_lens) + q - 1
+                                                               for q in q_start[1:]], torch.int64))
+        logits = self.model.forward(batch, self.kv_cache)
+        sample(logits, *self._sampling_tensors_for(logits.shape[0]), 0, all_greedy=True)
+
+    def _sampling_tensors_for(self, n: int) -> tuple[torch.Tensor, ...]:
+        st = self.statics
+        if n <= st.cap:
+            return st.temperature[:n], st.top_k[:n], st.top_p[:n], st.seeds[:n]
+        dev = self.device
+        return (torch.ones(n, dtype=torch.float32, device=dev),
+                torch.zeros(n, dtype=torch.int32, device=dev),
+                torch.ones(n, dtype=torch.float32, device=dev),
+                torch.zeros(n, dtype=torch.int64, device=dev))
+
+    def _warm_table_updates(self) -> None:
+        """The block-table update for 1, 16 and 17 new blocks (each its own specialization);
+        they write block 0 into the padding row, which holds zeros anyway."""
+        st = self.statics
+        for n in (1, 16, 17):
+            if n <= st.max_updates:
+                st.h_upd[:n] = (self.tables.pad_row, 0, 0)
+                st.push(n, statics=False)
+                update_block_table(self.table_dev, st.upd[:n])
 
     @property
     def scratch_bytes(self) -> int:
