@@ -107,8 +107,10 @@ def _merge_splits_kernel(
                       mask=h_ok[:, None] & s_ok[None, :], other=float("-inf"))
         lse = tl.where(h_ok[:, None], lse, 0.0)  # keep padded heads finite
         m_new = tl.maximum(m, tl.max(lse, axis=1))
-        alpha = tl.exp2(m - m_new)  # first chunk: exp2(-inf) = 0, acc and l_sum start clean
-        w = tl.exp2(lse - m_new[:, None])  # [BLOCK_H, BLOCK_S]
+        # first chunk: exp2(-inf) = 0, acc and l_sum start clean; a chunk of empty splits
+        # only (never from finite scores) keeps m = -inf: no inf - inf
+        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m - m_new))
+        w = tl.exp2(lse - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
         mask3 = h_ok[:, None, None] & s_ok[None, :, None] & d_ok[None, None, :]
         o = tl.load(part_out_ptr + b * stride_pb + offs_h[:, None, None] * stride_ph
                     + offs_s[None, :, None] * stride_ps + offs_d[None, None, :],

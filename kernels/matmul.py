@@ -24,12 +24,35 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty
 
 
 @triton.jit
+def _k_chunk(a_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k_lo, k_hi,
+             stride_am, stride_ak, stride_wn, stride_wk,
+             W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """sum_{k_lo <= k < k_hi} a[m, k] * w[n, k] for one tile, fp32, from zero."""
+    offs_k = k_lo + tl.arange(0, BLOCK_K).to(tl.int64)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, k_hi - k_lo, BLOCK_K):
+        mask_k = (offs_k + k) < k_hi
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
+        if W_INT8:
+            w = w.to(a.dtype)  # exact: |w_q| <= 127
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr, w_ptr, scale_ptr, out_ptr,
     M, N, K, k_split,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_os,
     W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     if GROUP_M == 1:
         pid_m = tl.program_id(0).to(tl.int64)
@@ -44,38 +67,32 @@ def _matmul_kernel(
         group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = (first_m + (pid % (GROUP_M * num_pid_n)) % group_size).to(tl.int64)
         pid_n = ((pid % (GROUP_M * num_pid_n)) // group_size).to(tl.int64)
-
-    # Split-K: program pid_k sums K in [pid_k * k_split, (pid_k + 1) * k_split) into its own
-    # fp32 slice of out; _split_k_sum_kernel adds the slices in a fixed order.
-    if SPLIT_K == 1:
-        pid_k = 0
-    elif GROUP_M == 1:
-        pid_k = tl.program_id(2).to(tl.int64)
-    else:
-        pid_k = tl.program_id(1).to(tl.int64)
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(K, k_lo + k_split)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = k_lo + tl.arange(0, BLOCK_K).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, k_hi - k_lo, BLOCK_K):
-        mask_k = (offs_k + k) < k_hi
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0)
-        if W_INT8:
-            w = w.to(a.dtype)  # exact: |w_q| <= 127
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
-    if SPLIT_K > 1:  # a partial sum: the scale is applied once, after the sum
+
+    # K is summed in SPLIT_K chunks of k_split, each from zero, the chunk sums added in order:
+    # the same fp32 operations whether the chunks run in separate programs (SPLIT_GRID, for
+    # few tiles: decode; each stores its partial and _split_k_sum_kernel adds them) or one
+    # after another in this program (many tiles: prefill). A row's result never depends on
+    # which, nor on M.
+    if SPLIT_GRID:
+        pid_k = tl.program_id(2 if GROUP_M == 1 else 1).to(tl.int64)
+        k_lo = pid_k * k_split
+        acc = _k_chunk(a_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k_lo,
+                       tl.minimum(K, k_lo + k_split), stride_am, stride_ak, stride_wn, stride_wk,
+                       W_INT8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
         tl.store(out_ptr + offs_m[:, None] * stride_om + pid_k * stride_os
                  + offs_n[None, :] * stride_on, acc, mask=mask_m[:, None] & mask_n[None, :])
     else:
+        acc = _k_chunk(a_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, 0, tl.minimum(K, k_split),
+                       stride_am, stride_ak, stride_wn, stride_wk,
+                       W_INT8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+        for c in range(1, SPLIT_K):  # (not unrolled: one chunk's registers at a time)
+            acc += _k_chunk(a_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, c * k_split,
+                            tl.minimum(K, (c + 1) * k_split), stride_am, stride_ak, stride_wn,
+                            stride_wk, W_INT8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
         if W_INT8:
             acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
@@ -124,7 +141,8 @@ def split_k_for(N: int, K: int, bn: int, bk: int, num_sms: int) -> int:
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
-            out: torch.Tensor | None, split_k: int | None = None) -> torch.Tensor:
+            out: torch.Tensor | None, split_k: int | None = None,
+            split_grid: bool | None = None) -> torch.Tensor:
     check(a.dim() == 2 and w.dim() == 2, "a must be [M, K] and w [N, K]")
     M, K = a.shape
     N = w.shape[0]
@@ -137,23 +155,29 @@ def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         return out
     w_int8 = scale is not None
     bm, bn, bk, group_m = _tiles(N, K, a.dtype, w_int8)
-    if split_k is None:
-        split_k = 1 if INTERPRET or a.device.type != "cuda" else \
-            split_k_for(N, K, bn, bk, _sm_count(a.device.index or 0))
-    check(split_k >= 1, "split_k must be >= 1")
-    k_split = cdiv(cdiv(K, split_k), bk) * bk  # whole K tiles per split
     tiles = cdiv(M, bm), cdiv(N, bn)
-    grid = (tiles if group_m == 1 else (tiles[0] * tiles[1],)) + ((split_k,) if split_k > 1 else ())
+    if split_k is None:
+        split_k = 1 if INTERPRET else split_k_for(N, K, bn, bk, _sm_count(a.device.index or 0))
+    check(split_k >= 1, "split_k must be >= 1")
+    if split_grid is None:  # separate programs only while the tiles leave SMs idle
+        split_grid = split_k > 1 and (
+            INTERPRET or tiles[0] * tiles[1] < _sm_count(a.device.index or 0))
+    k_split = cdiv(cdiv(K, split_k), bk) * bk  # whole K tiles per chunk
+    grid = tiles if group_m == 1 else (tiles[0] * tiles[1],)
     target, t_strides = out, (out.stride(0), out.stride(1), 0)
-    if split_k > 1:  # [M, split, N] fp32 partial sums (M first: scratch pools key on rows)
+    if split_grid:  # [M, split, N] fp32 partial sums (M first: scratch pools key on rows)
+        grid += (split_k,)
         target = empty((M, split_k, N), torch.float32, a.device)
         t_strides = (target.stride(0), target.stride(2), target.stride(1))
     launch(_matmul_kernel, grid,
         a, w, scale if w_int8 else w, target, M, N, K, k_split,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), *t_strides,
         W_INT8=w_int8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, SPLIT_K=split_k,
-        DOT_PREC=dot_precision(a.dtype), num_warps=4, num_stages=3)
-    if split_k > 1:
+        SPLIT_GRID=split_grid, DOT_PREC=dot_precision(a.dtype),
+        # chunks in one program hold two accumulators: 8 warps keep them in registers; the
+        # same 8 when they are separate programs, so both run the same MMA shapes (bit-equal)
+        num_warps=8 if split_k > 1 else 4, num_stages=3)
+    if split_grid:
         block_m = min(64, next_pow2(M)) if INTERPRET else 16
         block_n = min(1024 if INTERPRET else 128, next_pow2(N))
         launch(_split_k_sum_kernel, (cdiv(M, block_m), cdiv(N, block_n)),
@@ -164,18 +188,21 @@ def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 
 
 def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-           split_k: int | None = None) -> torch.Tensor:
+           split_k: int | None = None, split_grid: bool | None = None) -> torch.Tensor:
     """a: [M, K], w: [N, K] (same float dtype) -> out: [M, N] = a @ w.T.
 
-    ``split_k``: K splits (default: chosen per (N, K) on a GPU, 1 on the CPU)."""
+    ``split_k``: K chunks (default: chosen per (N, K) on a GPU, 1 on the CPU); ``split_grid``:
+    the chunks in separate programs (default: on the CPU, or while tiles leave SMs idle) or
+    one after another in each program - the same numbers either way."""
     check(a.dtype == w.dtype and a.dtype.is_floating_point, "a and w must share a float dtype")
-    return _launch(a, w, None, out, split_k)
+    return _launch(a, w, None, out, split_k, split_grid)
 
 
 def int8_matmul(a: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
-                out: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, split_k: int | None = None,
+                split_grid: bool | None = None) -> torch.Tensor:
     """a: [M, K] float, w_q: [N, K] int8, scale: [N] fp32 -> out: [M, N] = a @ (w_q * scale).T."""
     check(w_q.dtype == torch.int8, f"w_q must be int8, got {w_q.dtype}")
     check(a.dtype.is_floating_point, "a must be a float tensor")
     check(scale.shape == (w_q.shape[0],), "scale must be [N] (one per output channel)")
-    return _launch(a, w_q, scale, out, split_k)
+    return _launch(a, w_q, scale, out, split_k, split_grid)

@@ -108,7 +108,9 @@ def _rotary_kv_kernel(
     d_ok = (offs_d < HALF)[None, None, :]
     cs_off = pos[:, None] * stride_cp + offs_d[None, :]
     cs_mask = rot_t[:, None] & (offs_d < HALF)[None, :]
-    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    # a position outside the table rotates by nothing (cos 1, sin 0): q stays, k is cached
+    # as it is - what apply_rotary (which skips such rows) then write_kv_cache would do
+    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=1.0)[:, None, :]
     sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
     is_q = (offs_h < num_q_heads)[None, :, None]
     is_k = ((offs_h >= num_q_heads) & (offs_h < num_q_heads + num_kv_heads))[None, :, None]
@@ -127,7 +129,7 @@ def _rotary_kv_kernel(
     kv_head = tl.where(is_k, offs_h[None, :, None] - num_q_heads,
                        offs_h[None, :, None] - num_q_heads - num_kv_heads)
     dst = slot[:, None, None] * (num_kv_heads * head_dim) + kv_head * head_dim + offs_d[None, None, :]
-    k_mask = (kv_t & rot_t)[:, None, None] & d_ok & is_k
+    k_mask = kv_t[:, None, None] & d_ok & is_k
     tl.store(k_cache_ptr + dst, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
     tl.store(k_cache_ptr + dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
     v_mask = kv_t[:, None, None] & d_ok & is_v
@@ -147,7 +149,7 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Hk = k.shape[1]
     es = q.element_size()
     fused = (q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape == (T, Hk, Dh)
-             and q.dtype == k.dtype == v.dtype and q.stride(2) == 1
+             and q.dtype == k.dtype == v.dtype and q.stride(2) == k.stride(2) == v.stride(2) == 1
              and q.stride(1) == k.stride(1) == v.stride(1) == Dh
              and (T == 1 or q.stride(0) == k.stride(0) == v.stride(0))
              and k.data_ptr() == q.data_ptr() + Hq * Dh * es

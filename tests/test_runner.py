@@ -154,6 +154,16 @@ def test_runner_tables_are_released_and_a_freed_only_plan_runs(llms):
     llm.core.scheduler._freed.clear()
 
 
+def test_a_refused_step_still_gives_its_freed_rows_back(llms):
+    runner = llms[False].engine.runner
+    runner.execute(StepPlan(1, (entry(777, 0, [3], start_pos=0),)))
+    assert 777 in runner.tables.rows
+    beyond = entry(778, 0, [1] * 40, start_pos=runner.model.cos.shape[0])  # past the rotary table
+    with pytest.raises(ValueError, match="rotary"):
+        runner.execute(StepPlan(2, (beyond,), freed=(777,)))
+    assert 777 not in runner.tables.rows and 778 not in runner.tables.rows
+
+
 def test_an_out_of_sync_plan_fails_its_step_and_the_runner_goes_on(llms):
     runner = llms[False].engine.runner
     with pytest.raises(ValueError, match="holds 0"):

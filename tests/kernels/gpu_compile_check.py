@@ -30,6 +30,9 @@ def record(self, *args, grid, warmup, **kwargs):
 JITFunction.run = record
 
 import tinyserve.kernels as K  # noqa: E402
+
+# CPU tensors stand in for the GPU's: launchers size split-K for an H100/H200's 132 SMs.
+sys.modules["tinyserve.kernels.matmul"]._sm_count = lambda index: 132
 from tinyserve.engine.loader import quantize_int8  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -126,6 +129,8 @@ def exercise_llama3_8b():
     K.int8_matmul(e(B, D), lin.weight, lin.scale)
     K.matmul(e(B, D), e(D, D), split_k=4)  # o_proj's split-K on 132 SMs, and its sum kernel
     K.int8_matmul(e(B, D), lin.weight, lin.scale, split_k=4)
+    K.matmul(e(2048, D), e(D, D))  # a prefill: 1,024 tiles, the 4 K chunks inside each program
+    K.int8_matmul(e(2048, D), lin.weight, lin.scale, split_k=4, split_grid=False)
     tables = torch.zeros((2 * B + 1, 512), dtype=torch.int32)
     K.token_attention_paged(e(B, Hq, Dh), kc, vc, tables, torch.full((B,), 8192), 8192,
                             table_rows=torch.arange(B))
@@ -136,7 +141,7 @@ def exercise_llama3_8b():
     K.sample(logits, *p, all_greedy=True)
 
 
-def _tiny_runner(max_num_seqs: int, max_model_len: int):
+def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool):
     """A ModelRunner with GPU launch configurations on CPU tensors (weights never read)."""
     from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
     from tinyserve.engine.model import LlamaModel
@@ -155,20 +160,26 @@ def _tiny_runner(max_num_seqs: int, max_model_len: int):
     cos, sin = rope_tables(cfg, max_model_len, "cpu")
     spec = KVCacheSpec(512, 16, 2, 2, 128, torch.bfloat16)
     return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu",
-                       max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       enforce_eager=enforce_eager)
 
 
 def warm_up_coverage() -> int:
     """Every specialization serving meets must have been launched by the warm-up: launch keys
     as Triton's JIT computes them (bound arguments, specialization, constexprs, options) for
     the warm-up, then for steps of every kind and size; a key serving adds is a compile that
-    would happen while serving."""
+    would happen while serving. Both with decode buckets and with --enforce-eager; matmuls
+    take the split-K policy of a 132-SM GPU."""
+    return max(_coverage(enforce_eager) for enforce_eager in (False, True))
+
+
+def _coverage(enforce_eager: bool) -> int:
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
     def keys():
         return {compile_like_the_jit(fn, a, k)[0] for fn, a, k in captured}
 
-    runner = _tiny_runner(max_num_seqs=16, max_model_len=2048)
+    runner = _tiny_runner(max_num_seqs=16, max_model_len=2048, enforce_eager=enforce_eager)
     captured.clear()
     runner.warm_up(compile_all=True)
     warm = keys()
@@ -207,7 +218,9 @@ def warm_up_coverage() -> int:
                    key=lambda k: sum(a != b for a, b in zip(k, key, strict=True)))
         diff = [(i, key[i][:300]) for i in range(1, 5) if near is None or key[i] != near[i]]
         print(f"not warmed up: {key[0]} {diff}")
-    print(f"warm-up launched {len(warm)} specializations; serving used {len(served)}, "
+    splits = sum(1 for fn, _, _ in captured if fn.__name__ == "_split_k_sum_kernel")
+    print(f"{'enforce-eager' if enforce_eager else 'decode buckets'}: warm-up launched "
+          f"{len(warm)} specializations; serving used {len(served)} ({splits} split-K sums), "
           f"{len(missing)} of them not warmed up")
     return 1 if missing else 0
 

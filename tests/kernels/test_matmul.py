@@ -103,3 +103,45 @@ def test_split_k_policy_fills_the_sms_by_n_and_k_only():
     assert split_k_for(128256, 4096, 128, 64, sms) == 1  # lm_head
     assert split_k_for(4096, 512, 128, 64, sms) == 2  # short K: >= 4 K tiles per split
     assert split_k_for(64, 64, 128, 64, sms) == 1
+
+
+@pytest.mark.parametrize("w_int8", [False, True])
+def test_split_k_chunks_in_one_program_equal_separate_programs_bit_for_bit(device, w_int8):
+    """Many tiles (prefill) run the K chunks one after another in each program; few tiles
+    (decode) run them in separate programs and a sum kernel adds them: the same fp32 sums in
+    the same order, so a row is bit-identical either way (and batch invariant)."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(37, 700, generator=g).to(device)
+    w = torch.randn(90, 700, generator=g)
+    if w_int8:
+        w_q, scale = quantize(w)
+        run = lambda **kw: int8_matmul(a, w_q.to(device), scale.to(device), **kw)  # noqa: E731
+    else:
+        run = lambda **kw: matmul(a, w.to(device), **kw)  # noqa: E731
+    for split in (2, 3, 5):
+        assert torch.equal(run(split_k=split, split_grid=True), run(split_k=split, split_grid=False))
+
+
+def test_split_k_with_the_gpu_tiles_and_grouped_grid(device, monkeypatch):
+    """The GPU's launch layout (grouped grid: the K chunk is program_id(1); fp32 32x64x32
+    tiles, fp16 64x128x64, int8 weights 128-wide K tiles) run through the interpreter against
+    the reference, chunks in separate programs and in one."""
+    import sys
+
+    mm = sys.modules["tinyserve.kernels.matmul"]  # (the package re-exports the function)
+    monkeypatch.setattr(mm, "INTERPRET", False)
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(70, 600, generator=g).to(device)
+    w = torch.randn(150, 600, generator=g)
+    w_q, scale = quantize(w)
+    w, w_q, scale = w.to(device), w_q.to(device), scale.to(device)
+    ref_fp, ref_q = a @ w.T, a @ (w_q.float() * scale[:, None]).T
+    for dtype, tol in ((torch.float32, dict(atol=2e-4, rtol=1e-5)),
+                       (torch.float16, dict(atol=0.1, rtol=2e-2))):
+        x = a.to(dtype)
+        for split in (1, 2, 3):
+            for grid in (True, False):
+                got = matmul(x, w.to(dtype), split_k=split, split_grid=grid)
+                torch.testing.assert_close(got.float(), ref_fp, **tol)
+                got = int8_matmul(x, w_q, scale, split_k=split, split_grid=grid)
+                torch.testing.assert_close(got.float(), ref_q, **tol)

@@ -39,11 +39,7 @@ class BlockTables:
     def apply(self, freed: tuple[int, ...], seqs: list[ScheduledSeq]) -> tuple[list[int], list]:
         """Release ``freed`` rows, then take the plan's new blocks. Returns each sequence's row
         and the (row, column, block) triples the device copy needs."""
-        for seq_id in freed:
-            row = self.rows.pop(seq_id, None)
-            if row is not None:
-                self.lengths[row] = 0
-                self._free.append(row)
+        self.release(freed)
         bs = self.block_size
         in_plan = {s.seq_id for s in seqs}
         for s in seqs:  # check everything before changing anything
@@ -74,6 +70,15 @@ class BlockTables:
             self.lengths[row] = first + len(new)
             rows.append(row)
         return rows, updates
+
+    def release(self, freed: tuple[int, ...]) -> None:
+        """Drop the rows of released sequences (first thing with every plan, so that a step
+        refused afterwards still gives its ``freed`` rows back)."""
+        for seq_id in freed:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.lengths[row] = 0
+                self._free.append(row)
 
     def _take_row(self, in_plan: set[int]) -> int:
         if self._free:

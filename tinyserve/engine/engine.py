@@ -125,11 +125,12 @@ class Engine:
         per_token = (6 * mcfg.hidden_size + 3 * mcfg.intermediate_size
                      + (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim) * itemsize
         activations = cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * mcfg.vocab_size * 4
-        # ... and the decode buckets' split-KV partials (fp32 out + lse per head and split: 268
-        # MiB at 64 sequences x 32 heads x 128k context), pooled for the process's life
+        # ... and the decode buckets' split-KV partials (fp32 out + lse per head and split),
+        # pooled for the process's life: each split class (1, 2, 4, ... S splits) keeps its
+        # own, < 2S in all (~0.5 GiB at 64 sequences x 32 heads x 128k context)
         from tinyserve.kernels.attention_decode import default_split_size
 
         splits = -(-max_model_len // default_split_size())
-        activations += cfg.max_num_seqs * mcfg.num_heads * splits * (mcfg.head_dim + 1) * 4
+        activations += cfg.max_num_seqs * mcfg.num_heads * 2 * splits * (mcfg.head_dim + 1) * 4
         budget = int(free * cfg.gpu_memory_utilization * cfg.kv_share_of_free) - 2 * activations
         return max(1, min(want, budget // per_block))

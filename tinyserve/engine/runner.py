@@ -142,7 +142,7 @@ class ModelRunner:
         self.tables = BlockTables(2 * max_num_seqs, width, bs)
         self.table_dev = torch.zeros((2 * max_num_seqs + 1, width), dtype=torch.int32,
                                      device=self.device)
-        self.enforce_eager = enforce_eager
+        self.max_num_seqs = max_num_seqs
         self.buckets = () if enforce_eager else decode_buckets(max_num_seqs)
         self.statics = _Statics(max(self.buckets, default=1), max(256, 2 * width), self.device)
         self._pools: dict = {}  # scratch buffers shared by every bucket's recording
@@ -154,13 +154,14 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
-        # Every check that can refuse the step runs before the table changes (the host mirror
-        # and the device table must not part ways over a refused step).
+        # Freed rows go back first; every check that can refuse the step runs before the
+        # table changes (the host mirror and the device table must not part ways over it).
+        self.tables.release(plan.freed)
         max_pos = self.model.cos.shape[0]
         if seqs and max(s.start_pos + len(s.token_ids) for s in seqs) > max_pos:
             raise ValueError(f"a position is beyond the rotary table ({max_pos})")
         self.statics.writable()
-        rows, updates = self.tables.apply(plan.freed, seqs)
+        rows, updates = self.tables.apply((), seqs)
         # Buckets take decodes that all sample (a one-token prompt chunk cut short by the
         # token budget does not: that step runs eager).
         bucketed = bool(seqs) and len(seqs[-1].token_ids) == 1 \
@@ -318,13 +319,13 @@ class ModelRunner:
             for max_len in self.split_classes():
                 if (B, max_len) not in self._recorded:
                     self._record(B, max_len)
-        sizes = self.buckets or (1,)
+        sizes = self.buckets or tuple(sorted({min(n, self.max_num_seqs) for n in (1, 2, 16)}))
         launches = 0
         for B in sizes:
             logits = torch.zeros((B, self.cfg.vocab_size), dtype=torch.float32, device=self.device)
             for greedy, top_k, top_p, n_top in SAMPLING_VARIANTS:
-                sample(logits, st.temperature[:B], st.top_k[:B], st.top_p[:B], st.seeds[:B],
-                       n_top, all_greedy=greedy, any_top_k=top_k, any_top_p=top_p)
+                sample(logits, *self._sampling_tensors_for(B), n_top, all_greedy=greedy,
+                       any_top_k=top_k, any_top_p=top_p)
                 launches += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -354,6 +355,8 @@ class ModelRunner:
         shapes = [((), (16,)), ((), (17,)), ((lengths[0],) * 15, (17,))]  # (16 rows of 32)
         for n in (1, 2, 15, 16):
             shapes += [((length,) * n, (16,)) for length in lengths]
+            if not self.buckets:  # eager decode-only steps too
+                shapes += [((length,) * n, ()) for length in lengths]
         return shapes
 
     def _warm_eager(self, dec_lens: tuple[int, ...], pre_lens: tuple[int, ...]) -> None:
