@@ -22,6 +22,17 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, launch, next_pow2
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, pos, ok, stride_cp, offs_d, HALF):
+    """cos, sin [BLOCK_T, 1, BLOCK_HALF] for each token's position; a masked-out token (or a
+    position outside the table) rotates by nothing: cos 1, sin 0."""
+    cs_mask = ok[:, None] & (offs_d < HALF)[None, :]
+    cs_off = pos[:, None] * stride_cp + offs_d[None, :]
+    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=1.0)[:, None, :]
+    sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    return cos, sin, cs_mask
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, pos_ptr,
     stride_xt, stride_xh, stride_cp,
@@ -34,10 +45,7 @@ def _rotary_kernel(
     mask_t = offs_t < T
     pos = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
     mask_t = mask_t & (pos >= 0) & (pos < max_pos)
-    cs_mask = mask_t[:, None] & (offs_d < HALF)[None, :]
-    cs_off = pos[:, None] * stride_cp + offs_d[None, :]
-    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
-    sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    cos, sin, cs_mask = _cos_sin(cos_ptr, sin_ptr, pos, mask_t, stride_cp, offs_d, HALF)
     # Both halves of a pair sit in the same thread's registers, so rotating in place is race-free.
     ptrs = x_ptr + offs_t[:, None, None] * stride_xt + offs_h[None, :, None] * stride_xh \
         + offs_d[None, None, :]
@@ -106,12 +114,9 @@ def _rotary_kv_kernel(
     rot_t = mask_t & (pos >= 0) & (pos < max_pos)
     kv_t = mask_t & (slot >= 0) & (slot < num_slots)
     d_ok = (offs_d < HALF)[None, None, :]
-    cs_off = pos[:, None] * stride_cp + offs_d[None, :]
-    cs_mask = rot_t[:, None] & (offs_d < HALF)[None, :]
-    # a position outside the table rotates by nothing (cos 1, sin 0): q stays, k is cached
-    # as it is - what apply_rotary (which skips such rows) then write_kv_cache would do
-    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=1.0)[:, None, :]
-    sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0)[:, None, :]
+    # a position outside the table rotates by nothing: q stays, k is cached as it is - what
+    # apply_rotary (which skips such rows) then write_kv_cache would do
+    cos, sin, _ = _cos_sin(cos_ptr, sin_ptr, pos, rot_t, stride_cp, offs_d, HALF)
     is_q = (offs_h < num_q_heads)[None, :, None]
     is_k = ((offs_h >= num_q_heads) & (offs_h < num_q_heads + num_kv_heads))[None, :, None]
     is_v = ((offs_h >= num_q_heads + num_kv_heads)

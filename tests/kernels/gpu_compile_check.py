@@ -50,16 +50,20 @@ def compile_like_the_jit(fn: JITFunction, args, kwargs):
     return key, constexprs, lambda: triton.compile(src, target=TARGET, options=options.__dict__)
 
 
+def split_qkv(qkv, Hq, Hk, Dh):
+    """q, k, v as the model takes them: views of one fused projection row."""
+    T = qkv.shape[0]
+    return (qkv[:, : Hq * Dh].view(T, Hq, Dh), qkv[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh),
+            qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
+
+
 def exercise(dtype):
     """Call every launcher with Llama-like GPU shapes (small sizes keep it quick)."""
     T, D, Hq, Hk, Dh, I, V, B = 40, 256, 8, 2, 128, 512, 1000, 4
     r = lambda *s, dt=dtype: torch.randn(*s).to(dt)  # noqa: E731
     K.gather_rows(torch.zeros(T, dtype=torch.int64), r(V, D))
     K.add_rmsnorm(r(T, D), r(D), 1e-5, residual=r(T, D))
-    qkv = r(T, (Hq + 2 * Hk) * Dh)
-    q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
-    k = qkv[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh)
-    v = qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh)
+    q, k, v = split_qkv(r(T, (Hq + 2 * Hk) * Dh), Hq, Hk, Dh)
     K.apply_rotary(q, k, torch.arange(T), torch.randn(T, Dh // 2), torch.randn(T, Dh // 2))
     kc, vc = r(8, 16, Hk, Dh), r(8, 16, Hk, Dh)
     K.write_kv_cache(k, v, kc, vc, torch.arange(T))
@@ -114,10 +118,7 @@ def exercise_llama3_8b():
     e = lambda *s, dt=bf: torch.empty(*s, dtype=dt)  # noqa: E731
     K.gather_rows(torch.zeros(T, dtype=torch.int64), e(V, D))
     K.add_rmsnorm(e(T, D), e(D), 1e-5, residual=e(T, D))
-    qkv = e(T, (Hq + 2 * Hk) * Dh)
-    q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
-    k = qkv[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh)
-    v = qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh)
+    q, k, v = split_qkv(e(T, (Hq + 2 * Hk) * Dh), Hq, Hk, Dh)
     K.apply_rotary(q, k, torch.arange(T), torch.randn(8192, Dh // 2), torch.randn(8192, Dh // 2))
     kc, vc = e(64, 16, Hk, Dh), e(64, 16, Hk, Dh)
     K.write_kv_cache(k, v, kc, vc, torch.arange(T))
