@@ -124,8 +124,10 @@ class Metrics:
         self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
 
     def set_cache_config(self, model: str, block_size: int, num_blocks: int) -> None:
+        # num_gpu_blocks is vLLM's name (prefix-aware endpoint pickers read it); num_blocks ours
         self.cache_info.labels(model=model).info({"block_size": str(block_size),
-                                                  "num_blocks": str(num_blocks)})
+                                                  "num_blocks": str(num_blocks),
+                                                  "num_gpu_blocks": str(num_blocks)})
 
     def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected
              | Rerouted) -> None:
