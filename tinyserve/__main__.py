@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body accepted, e.g. 4MiB; larger ones get 413")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
+    s.add_argument("--access-log", action="store_true",
+                   help="one JSON line per API request on stdout: request id, tenant, model, "
+                        "tokens, TTFT, latency, status (never keys, prompts or outputs)")
     return p
 
 
@@ -151,12 +154,18 @@ def main(argv: list[str] | None = None) -> int:
             batch_timeout_ms=args.batch_timeout_ms, overlap=not args.no_overlap,
             drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
-            max_body_bytes=args.max_body_size, log_level=args.log_level)
+            max_body_bytes=args.max_body_size, log_level=args.log_level,
+            access_log=args.access_log)
         Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks
     except (ValueError, OSError) as e:  # OSError: an unreadable tenants file
         print(f"error: {e}", file=sys.stderr)
         return 2
     from tinyserve.server import serve
+
+    if server_cfg.access_log:
+        from tinyserve import access_log
+
+        access_log.configure()
 
     try:
         import uvloop

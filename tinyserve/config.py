@@ -290,6 +290,7 @@ class ServerConfig:
     routes: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()  # --route (parse_route)
     fallbacks: tuple[tuple[str, str], ...] = ()  # --fallback (parse_fallback)
     log_level: str = "info"
+    access_log: bool = False  # one JSON line per API request on stdout (access_log.py)
 
     @property
     def tenant_list(self) -> tuple[TenantConfig, ...]:

@@ -40,7 +40,8 @@ def test_no_arguments_serve_the_bundled_stories260k(tmp_path):
 
 
 def test_demo_flag_serves_the_random_weight_model(tmp_path):
-    srv = ServerProcess("--demo", log_path=tmp_path / "demo.log", model=None,
+    # (and --access-log: its lines are bare JSON on stdout, beside the formatted server log)
+    srv = ServerProcess("--demo", "--access-log", log_path=tmp_path / "demo.log", model=None,
                         env={"TINYSERVE_CACHE": str(tmp_path / "cache")})
     try:
         models = json.loads(get(srv.url + "/v1/models")[1])
@@ -50,6 +51,10 @@ def test_demo_flag_serves_the_random_weight_model(tmp_path):
             "max_tokens": 3}))
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
         assert "random weights" in srv.log().lower()
+        access = [json.loads(line) for line in srv.log().splitlines() if line.startswith("{")]
+        assert [(a["path"], a["status"], a["model"]) for a in access] == [
+            ("/v1/models", 200, None), ("/v1/chat/completions", 200, "tinyserve-demo")]
+        assert access[1]["completion_tokens"] == body["usage"]["completion_tokens"]
     finally:
         assert srv.stop() == 0
 

@@ -32,7 +32,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from tinyserve import __version__
+from tinyserve import __version__, access_log
 from tinyserve.actors.admission import Admission, Lane, too_many
 from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 CLIENT_ID = web.RequestKey("client_id", str)  # X-Request-Id: echoed and logged, never a key
+ACCESS = web.RequestKey("access", access_log.AccessInfo)  # the access line's fields
 OFF_LOOP_LOGPROBS = 256  # whole bodies with more logprob entries are shaped in a worker thread
 MAX_PARSING = 64  # requests reading / checking / tokenizing at once; the rest wait their turn
 WRITE_TIMEOUT_S = 30.0  # a streaming client that reads nothing for this long has gone
@@ -95,6 +96,7 @@ class _Call:
     replies: asyncio.Queue
     tenant: str
     lane: Lane | None = None  # the model answering it, once accepted
+    access: access_log.AccessInfo | None = None  # the access-log line's fields (--access-log)
     generated: int = 0  # completion tokens seen so far (admission refunds the rest)
     accepted: bool = False  # admission forwarded it to the batcher
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
@@ -116,8 +118,10 @@ class Ingress:
         return len(self._live)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._request_id_mw, self._error_mw],
-                              client_max_size=self.cfg.max_body_bytes)
+        middlewares = [self._request_id_mw, self._error_mw]
+        if self.cfg.access_log:
+            middlewares.insert(0, self._access_mw)  # outermost: sees the status finally sent
+        app = web.Application(middlewares=middlewares, client_max_size=self.cfg.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -130,6 +134,25 @@ class Ingress:
         return app
 
     # -- middleware ----------------------------------------------------------------------------
+    @web.middleware
+    async def _access_mw(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        if not request.path.startswith(access_log.LOGGED_PREFIXES):
+            return await handler(request)
+        info = request[ACCESS] = access_log.AccessInfo(time.monotonic())
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = access_log.CLIENT_GONE
+            raise
+        finally:
+            access_log.write(info, request.method, request.path, status, request.get(CLIENT_ID))
+
     @web.middleware
     async def _request_id_mw(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         given = request.headers.get("X-Request-Id", "")
@@ -250,6 +273,9 @@ class Ingress:
 
     async def _generate(self, request: web.Request, kind: type) -> web.StreamResponse:
         tenant = self._auth(request)
+        access = request.get(ACCESS)
+        if access is not None:
+            access.tenant = tenant.name
         b = self._backend()
         if b.supervisor.failure:
             raise ApiError(503, f"the server is unhealthy: {b.supervisor.failure}",
@@ -264,7 +290,11 @@ class Ingress:
                                code="model_not_found")
             parser = b.parsers[model]
             prompt_ids, params = await parser.prepare(req)
-        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name)
+        call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name,
+                     access=access)
+        if access is not None:
+            access.id, access.model, access.stream = call.rid, model, req.stream
+            access.prompt_tokens = len(prompt_ids)
         self._live[call.rid] = call
         try:
             await self._submit(b, call, prompt_ids, params, tenant, model)
@@ -309,6 +339,8 @@ class Ingress:
         assert isinstance(first, Accepted)
         call.lane = b.admission.lanes[first.model]
         call.accepted = True
+        if call.access is not None:
+            call.access.model = first.model
 
     async def _outputs(self, call: _Call) -> AsyncIterator[list[Output]]:
         """The request's outputs until the final one, in batches: whatever has queued up by
@@ -328,6 +360,10 @@ class Ingress:
                                    retry_after=msg.retry_after)
                 call.generated = msg.completion_tokens or call.generated
                 outs.append(msg)
+                if call.access is not None:
+                    call.access.completion_tokens = call.generated
+                    call.access.first_output = call.access.first_output or time.monotonic()
+                    call.access.finish_reason = msg.finish_reason
                 if msg.finish_reason is not None:
                     call.done = True
                     yield outs
@@ -367,6 +403,8 @@ class Ingress:
                     await send([chunk for out in outs for chunk in shaper.chunks(out)])
         except ApiError as e:  # headers are sent: the error becomes the last event
             self._count_error(e)
+            if call.access is not None:
+                call.access.stream_error = e.status
             await resp.write(b"data: " + e.body() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
