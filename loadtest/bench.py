@@ -9,6 +9,12 @@ TPOT, ITL and end-to-end latency (p50/p95/p99) and goodput under an SLA. The def
 compare no batching (--max-num-seqs 1) with continuous batching and print the ratio. Prompts
 are fixed-length slices of a story and every request generates exactly --max-tokens tokens
 (ignore_eos), so configs see the same work. Point --url at a running server to skip launching.
+
+    python loadtest/bench.py --plot docs/bench.png --rates 1 2 4 8 --concurrencies 1 4 16 32
+
+sweeps one server (the last config, or --url) instead: latency percentiles (TTFT, E2E) against
+an open-loop Poisson request rate, and throughput and goodput against the number of closed-loop
+clients, drawn as one PNG (matplotlib) and printed as JSON rows.
 """
 
 from __future__ import annotations
@@ -76,6 +82,30 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
                 last = now
     end = time.perf_counter()
     return Result(ttft=(first or end) - t0, e2e=end - t0, tokens=tokens, itl=itl)
+
+
+async def run_open(url: str, model: str, rate: float, requests: int, prompt_words: int,
+                   max_tokens: int, seed: int = 0) -> tuple[list[Result], float]:
+    """Open loop: requests arrive as a Poisson process of ``rate`` per second, whatever the
+    server's pace (closed-loop clients would slow down with it and hide queueing)."""
+    import random
+
+    rng = random.Random(seed)
+    words = STORY.split()
+    timeout = aiohttp.ClientTimeout(total=None)
+    results: list[Result] = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def one(i: int) -> None:
+            prompt = " ".join(words[i % 20: i % 20 + prompt_words])
+            results.append(await one_request(session, url, model, prompt, max_tokens))
+
+        tasks = []
+        t0 = time.perf_counter()
+        for i in range(requests):
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
 
 
 async def run_load(url: str, model: str, concurrency: int, requests: int, prompt_words: int,
@@ -174,6 +204,61 @@ def print_table(rows: list[dict], sla_ttft: float, sla_tpot: float) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def sweep(url: str, args) -> tuple[list[dict], list[dict]]:
+    model = served_name(url)
+    asyncio.run(run_load(url, model, 1, 1, args.prompt_words, 2))  # warm the path
+    by_rate, by_conc = [], []
+    for rate in args.rates:
+        results, wall = asyncio.run(run_open(url, model, rate, args.requests, args.prompt_words,
+                                             args.max_tokens))
+        by_rate.append({"rate": rate, **summarize(f"rate {rate}/s", results, wall,
+                                                  args.sla_ttft, args.sla_tpot)})
+        print(json.dumps(by_rate[-1]), flush=True)
+    for conc in args.concurrencies:
+        results, wall = asyncio.run(run_load(url, model, conc, max(args.requests, conc),
+                                             args.prompt_words, args.max_tokens))
+        by_conc.append({"concurrency": conc, **summarize(f"{conc} clients", results, wall,
+                                                         args.sla_ttft, args.sla_tpot)})
+        print(json.dumps(by_conc[-1]), flush=True)
+    return by_rate, by_conc
+
+
+def plot(by_rate: list[dict], by_conc: list[dict], path: str, title: str) -> None:
+    """Left: TTFT and E2E p50/p95/p99 against request rate. Right: token throughput and
+    request goodput against concurrent clients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rates = [r["rate"] for r in by_rate]
+    for metric, style in (("ttft", "-"), ("e2e", "--")):
+        for q, marker in (("p50", "o"), ("p95", "s"), ("p99", "^")):
+            left.plot(rates, [r[f"{metric}_{q}"] for r in by_rate], style, marker=marker,
+                      label=f"{metric.upper()} {q}")
+    left.set(xlabel="request rate (Poisson arrivals, req/s)", ylabel="seconds",
+             title="latency vs request rate")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    conc = [r["concurrency"] for r in by_conc]
+    right.plot(conc, [r["tok_per_s"] for r in by_conc], "-o", color="tab:blue", label="tokens/s")
+    right.set(xlabel="concurrent clients (closed loop)", ylabel="output tokens/s",
+              title="throughput and goodput vs concurrency")
+    right.grid(alpha=0.3)
+    twin = right.twinx()
+    twin.plot(conc, [r["goodput_req_per_s"] for r in by_conc], "-s", color="tab:green",
+              label="goodput req/s")
+    twin.plot(conc, [r["req_per_s"] for r in by_conc], ":^", color="tab:gray", label="req/s")
+    twin.set_ylabel("requests/s")
+    lines = right.get_lines() + twin.get_lines()
+    right.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory (default: the bundled stories260k)")
@@ -186,7 +271,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sla-tpot", type=float, default=0.5, help="goodput SLA on TPOT, seconds")
     ap.add_argument("--config", action="append", default=None, metavar="NAME=FLAGS",
                     help='server flags to compare, e.g. "int8=--quantization int8" (repeatable)')
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="sweep request rates and concurrencies on one server; draw them here")
+    ap.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16, 32])
     args = ap.parse_args(argv)
+    if args.plot:
+        flags = (args.config[-1].split("=", 1)[1] if args.config
+                 else f"--max-num-seqs {max(args.concurrencies)}")
+        proc, url = (None, args.url) if args.url else start_server(args.model, flags.split())
+        try:
+            name = served_name(url)
+            by_rate, by_conc = sweep(url, args)
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(60)
+        plot(by_rate, by_conc, args.plot,
+             f"tinyserve, {name}: {args.requests} "
+             f"requests per point, {args.prompt_words}-word prompts, {args.max_tokens} tokens "
+             f"each; goodput: TTFT <= {args.sla_ttft}s and TPOT <= {args.sla_tpot}s")
+        print(f"wrote {args.plot}", file=sys.stderr)
+        return
     configs = [c.split("=", 1) for c in (args.config or [
         "no batching (--max-num-seqs 1)=--max-num-seqs 1",
         f"continuous batching (--max-num-seqs {args.concurrency})="
