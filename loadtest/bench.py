@@ -43,6 +43,7 @@ class Result:
     e2e: float
     tokens: int
     itl: list[float] = field(default_factory=list)
+    status: int = 200  # an error answer (429 under overload, 503...): counted, never good
 
     @property
     def tpot(self) -> float:
@@ -65,7 +66,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
     itl, tokens = [], 0
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+            await r.read()
+            end = time.perf_counter()
+            return Result(ttft=end - t0, e2e=end - t0, tokens=0, status=r.status)
         async for raw in r.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -101,9 +104,12 @@ async def run_open(url: str, model: str, rate: float, requests: int, prompt_word
 
         tasks = []
         t0 = time.perf_counter()
-        for i in range(requests):
+        due = t0
+        for i in range(requests):  # on an absolute schedule: a late client does not drift
+            if i:
+                due += rng.expovariate(rate)
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
             tasks.append(asyncio.create_task(one(i)))
-            await asyncio.sleep(rng.expovariate(rate))
         await asyncio.gather(*tasks)
     return results, time.perf_counter() - t0
 
@@ -169,11 +175,16 @@ def served_name(url: str) -> str:
 
 def summarize(name: str, results: list[Result], wall: float, sla_ttft: float,
               sla_tpot: float) -> dict:
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.status != 200:
+            errors[str(r.status)] = errors.get(str(r.status), 0) + 1
+    results_all, results = results, [r for r in results if r.status == 200]
     tokens = sum(r.tokens for r in results)
     good = [r for r in results if r.ttft <= sla_ttft and r.tpot <= sla_tpot]
     itl = [x for r in results for x in r.itl]
     return {
-        "config": name, "requests": len(results), "wall_s": wall,
+        "config": name, "requests": len(results_all), "errors": errors, "wall_s": wall,
         "req_per_s": len(results) / wall, "tok_per_s": tokens / wall,
         "goodput_req_per_s": len(good) / wall,
         "ttft_p50": pct([r.ttft for r in results], 50), "ttft_p95": pct([r.ttft for r in results], 95),
@@ -276,8 +287,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16, 32])
     args = ap.parse_args(argv)
+    if args.config and any("=" not in c for c in args.config):
+        ap.error("--config takes NAME=FLAGS")
     if args.plot:
-        flags = (args.config[-1].split("=", 1)[1] if args.config
+        if args.config and (args.url or len(args.config) > 1):
+            ap.error("--plot sweeps one server: give at most one --config, and none with --url")
+        flags = (args.config[0].split("=", 1)[1] if args.config
                  else f"--max-num-seqs {max(args.concurrencies)}")
         proc, url = (None, args.url) if args.url else start_server(args.model, flags.split())
         try:

@@ -33,3 +33,22 @@ def test_the_sweep_flags_parse_and_a_summary_has_what_the_plot_reads():
     assert {"ttft_p50", "ttft_p95", "ttft_p99", "e2e_p50", "e2e_p95", "e2e_p99", "tok_per_s",
             "req_per_s", "goodput_req_per_s"} <= set(summary)
     assert summary["goodput_req_per_s"] == 1.0 and summary["tok_per_s"] == 10.0
+
+
+def test_error_answers_are_counted_not_fatal_and_never_good():
+    ok = [bench.Result(ttft=0.5, e2e=2.0, tokens=10, itl=[0.1] * 9) for _ in range(3)]
+    refused = [bench.Result(ttft=0.01, e2e=0.01, tokens=0, status=429) for _ in range(2)]
+    summary = bench.summarize("x", ok + refused, wall=1.0, sla_ttft=1.0, sla_tpot=0.5)
+    assert summary["requests"] == 5 and summary["errors"] == {"429": 2}
+    assert summary["req_per_s"] == 3.0 and summary["goodput_req_per_s"] == 3.0
+    assert summary["ttft_p50"] == 0.5  # latencies are the answered requests'
+
+
+def test_plot_refuses_flag_combinations_it_cannot_honour():
+    import pytest
+
+    for argv in (["--plot", "x.png", "--config", "a=--x", "--config", "b=--y"],
+                 ["--plot", "x.png", "--url", "http://h", "--config", "a=--x"],
+                 ["--config", "no-equals-sign"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)

@@ -162,18 +162,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tinyserve.server import serve
 
+    listener = None
     if server_cfg.access_log:
         from tinyserve import access_log
 
-        access_log.configure()
-
+        listener = access_log.configure()
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        import asyncio
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+            import asyncio
 
-        return asyncio.run(serve(server_cfg, models))
-    return uvloop.run(serve(server_cfg, models))
+            return asyncio.run(serve(server_cfg, models))
+        return uvloop.run(serve(server_cfg, models))
+    finally:
+        if listener is not None:
+            listener.stop()  # writes out the lines still queued
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ def test_every_api_request_gets_one_json_line(caplog):
                 s4, _, _ = await post(srv.url, "/v1/completions", completion("x"),
                                       {"Authorization": "Bearer wrong-key"})
                 async with aiohttp.ClientSession() as s:
+                    async with s.get(srv.url + "/v1/models", headers=auth) as r:
+                        assert r.status == 200
+                async with aiohttp.ClientSession() as s:
                     async with s.get(srv.url + "/health") as r:
                         assert r.status == 200
                 return s1, done, s3, s4
@@ -43,8 +46,9 @@ def test_every_api_request_gets_one_json_line(caplog):
     got = lines(caplog)
     assert [(x["path"], x["status"]) for x in got] == [
         ("/v1/completions", 200), ("/v1/chat/completions", 200), ("/v1/completions", 400),
-        ("/v1/completions", 401)]  # no line for /health
-    ok, streamed, bad, denied = got
+        ("/v1/completions", 401), ("/v1/models", 200)]  # no line for /health
+    ok, streamed, bad, denied, models = got
+    assert models["tenant"] == "acme"
     assert ok["request_id"] == "req-abc-1" and ok["tenant"] == "acme" and ok["model"] == "stories260k"
     assert ok["completion_tokens"] == 5 and ok["prompt_tokens"] >= 1 and ok["finish_reason"] == "length"
     assert ok["stream"] is False and streamed["stream"] is True and streamed["completion_tokens"] == 4
@@ -103,3 +107,16 @@ def test_off_by_default(caplog):
     finally:
         srv.stop()
     assert lines(caplog) == []
+
+
+def test_a_line_never_raises_and_a_slow_reader_never_blocks(monkeypatch):
+    import queue
+
+    from tinyserve import access_log
+
+    info = access_log.AccessInfo(started=0.0)
+    access_log.write(info, "GET", "/v1/\udcff", 404, None)  # a lone surrogate: no exception
+    handler = access_log._DroppingQueueHandler(queue.Queue(maxsize=2))
+    for i in range(5):  # nobody drains the queue: the extra lines are dropped, not waited for
+        handler.handle(logging.LogRecord("tinyserve.access", logging.INFO, "", 0, f"{i}", (), None))
+    assert handler.queue.qsize() == 2 and handler.dropped == 3

@@ -51,12 +51,14 @@ def test_demo_flag_serves_the_random_weight_model(tmp_path):
             "max_tokens": 3}))
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
         assert "random weights" in srv.log().lower()
-        access = [json.loads(line) for line in srv.log().splitlines() if line.startswith("{")]
-        assert [(a["path"], a["status"], a["model"]) for a in access] == [
-            ("/v1/models", 200, None), ("/v1/chat/completions", 200, "tinyserve-demo")]
-        assert access[1]["completion_tokens"] == body["usage"]["completion_tokens"]
     finally:
         assert srv.stop() == 0
+    # (read after the stop: a writer thread puts the lines out, and flushes them at exit)
+    access = [json.loads(line) for line in srv.log_path.read_text().splitlines()
+              if line.startswith("{")]
+    assert [(a["path"], a["status"], a["model"]) for a in access] == [
+        ("/v1/models", 200, None), ("/v1/chat/completions", 200, "tinyserve-demo")]
+    assert access[1]["completion_tokens"] == body["usage"]["completion_tokens"]
 
 
 def test_two_models_stories260k_and_its_int8_variant_behind_a_route(tmp_path):

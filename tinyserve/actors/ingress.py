@@ -274,8 +274,6 @@ class Ingress:
     async def _generate(self, request: web.Request, kind: type) -> web.StreamResponse:
         tenant = self._auth(request)
         access = request.get(ACCESS)
-        if access is not None:
-            access.tenant = tenant.name
         b = self._backend()
         if b.supervisor.failure:
             raise ApiError(503, f"the server is unhealthy: {b.supervisor.failure}",
@@ -460,6 +458,12 @@ class Ingress:
     # -- checks ----------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> TenantConfig:
         """The tenant whose key the request carries (constant time over all keys)."""
+        tenant = self._find_tenant(request)
+        if (access := request.get(ACCESS)) is not None:
+            access.tenant = tenant.name
+        return tenant
+
+    def _find_tenant(self, request: web.Request) -> TenantConfig:
         tenants = self.cfg.tenant_list
         if len(tenants) == 1 and not tenants[0].api_key:
             return tenants[0]
