@@ -29,7 +29,7 @@ from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.loader import ModelConfig
 from tinyserve.engine.model import ForwardBatch, KVCache, LlamaModel
 from tinyserve.kernels import sample, update_block_table
-from tinyserve.kernels.utils import INTERPRET, Recording, next_pow2, recording
+from tinyserve.kernels.utils import Recording, next_pow2, recording
 from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,6 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
         sizes |= {p, p * 3 // 2}
         p *= 2
     return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
-
-
-# Sampling variants the warm-up runs: (all_greedy, any_top_k, any_top_p, top logprobs).
-SAMPLING_VARIANTS = ((True, False, False, 0), (False, False, False, 0), (False, True, False, 0),
-                     (False, False, True, 0), (False, True, True, 0), (True, False, False, 2))
 
 
 class _Statics:
@@ -284,124 +279,16 @@ class ModelRunner:
         return self._recorded[B, max_len]
 
     def warm_up(self, compile_all: bool | None = None) -> dict:
-        """Record (and on a GPU capture) every decode bucket, run every sampling variant at
-        every bucket size and the eager shapes of ``eager_warm_shapes``, so that no kernel
-        specialization is compiled while serving.
+        """Every decode bucket recorded (captured on a GPU), every sampling variant and eager
+        shape run before serving: see ``warmup.py``."""
+        from tinyserve.engine.warmup import warm_up
 
-        ``compile_all`` (default: not under the interpreter): the interpreter compiles nothing
-        and a bucket recorded on first use costs that step nothing extra (the recording run
-        is the step), so on the CPU the warm-up does nothing unless asked to."""
-        t0 = time.perf_counter()
-        if compile_all is None:
-            compile_all = not INTERPRET
-        if not compile_all:
-            log.info("warm-up: interpreter, nothing to compile; decode buckets %s are recorded "
-                     "on first use", list(self.buckets))
-            return {"buckets": [], "cuda_graphs": False, "sampling_variants": 0,
-                    "eager_shapes": 0, "scratch_mib": 0.0, "seconds": 0.0,
-                    "capacity": self.statics.cap}
-        st = self.statics
-        self._warm_table_updates()
-        shapes = self.eager_warm_shapes()
-        for dec_lens, pre_lens in shapes:
-            self._warm_eager(dec_lens, pre_lens)
-        cap = st.cap
-        st.h_i64[0:2] = 0
-        st.h_i64[2] = -1
-        st.h_i64[3] = 1
-        st.h_i64[4] = self.tables.pad_row
-        st.h_i64[5] = 0
-        st.h_topk[:] = 5
-        st.h_f32[0] = 0.7
-        st.h_f32[1] = 0.9
-        st.push(0)
-        for B in self.buckets:
-            for max_len in self.split_classes():
-                if (B, max_len) not in self._recorded:
-                    self._record(B, max_len)
-        sizes = self.buckets or tuple(sorted({min(n, self.max_num_seqs) for n in (1, 2, 16)}))
-        launches = 0
-        for B in sizes:
-            logits = torch.zeros((B, self.cfg.vocab_size), dtype=torch.float32, device=self.device)
-            for greedy, top_k, top_p, n_top in SAMPLING_VARIANTS:
-                sample(logits, *self._sampling_tensors_for(B), n_top, all_greedy=greedy,
-                       any_top_k=top_k, any_top_p=top_p)
-                launches += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        info = {"buckets": list(self.buckets), "split_classes": self.split_classes(),
-                "recordings": len(self._recorded), "cuda_graphs": self.use_graphs,
-                "sampling_variants": launches, "eager_shapes": len(shapes),
-                "scratch_mib": round(self.scratch_bytes / 2**20, 1),
-                "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
-        log.info("warm-up: %d decode buckets %s x %d split classes recorded%s, %d sampling "
-                 "variants, %d eager shapes, %.1f MiB scratch, %.2f s", len(self.buckets),
-                 list(self.buckets), len(self.split_classes()),
-                 " and captured as CUDA graphs" if self.use_graphs else "", launches,
-                 len(shapes), info["scratch_mib"], info["seconds"])
-        return info
+        return warm_up(self, compile_all)
 
     def eager_warm_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """(decode lengths, prefill chunk lengths) of the eager steps the warm-up runs. Triton
-        specializes an integer argument on being 1 or a multiple of 16, so: chunks of 16 and
-        17 tokens alone, 16 rows sampled of 32; then 1, 2, 15 and 16 decodes beside a 16-token
-        chunk (2 to 17 rows sampled), each at one KV split and at several when max_model_len
-        allows them.
-        (tests/kernels/gpu_compile_check.py --warm-up checks that serving needs no more.)"""
-        from tinyserve.kernels.attention_decode import default_split_size
+        from tinyserve.engine.warmup import eager_warm_shapes
 
-        split, longest = default_split_size(), self.max_model_len
-        lengths = [min(split, longest)] + ([longest] if longest > split else [])
-        shapes = [((), (16,)), ((), (17,)), ((lengths[0],) * 15, (17,))]  # (16 rows of 32)
-        for n in (1, 2, 15, 16):
-            shapes += [((length,) * n, (16,)) for length in lengths]
-            if not self.buckets:  # eager decode-only steps too
-                shapes += [((length,) * n, ()) for length in lengths]
-        return shapes
-
-    def _warm_eager(self, dec_lens: tuple[int, ...], pre_lens: tuple[int, ...]) -> None:
-        """One eager forward pass of that shape on nothing: every row reads the all-zero padding
-        row of the block table and writes no KV (slot -1)."""
-        dev, pad = self.device, self.tables.pad_row
-        T = len(dec_lens) + sum(pre_lens)
-        q_start = [0]
-        for n in pre_lens:
-            q_start.append(q_start[-1] + n)
-
-        def ints(values, dtype=torch.int32):
-            return torch.tensor(list(values), dtype=dtype, device=dev)
-
-        batch = ForwardBatch(
-            input_ids=ints([0] * T, torch.int64), positions=ints([0] * T, torch.int64),
-            slot_mapping=ints([-1] * T, torch.int64), num_decodes=len(dec_lens),
-            block_tables=self.table_dev, decode_rows=ints([pad] * len(dec_lens)),
-            decode_seq_lens=ints(dec_lens), decode_max_seq_len=max(dec_lens, default=0),
-            prefill_rows=ints([pad] * len(pre_lens)), prefill_seq_lens=ints(pre_lens),
-            prefill_q_start=ints(q_start), prefill_max_q_len=max(pre_lens, default=0),
-            logits_indices=ints(list(range(len(dec_lens))) + [len(dec_lens) + q - 1
-                                                               for q in q_start[1:]], torch.int64))
-        logits = self.model.forward(batch, self.kv_cache)
-        sample(logits, *self._sampling_tensors_for(logits.shape[0]), 0, all_greedy=True)
-
-    def _sampling_tensors_for(self, n: int) -> tuple[torch.Tensor, ...]:
-        st = self.statics
-        if n <= st.cap:
-            return st.temperature[:n], st.top_k[:n], st.top_p[:n], st.seeds[:n]
-        dev = self.device
-        return (torch.ones(n, dtype=torch.float32, device=dev),
-                torch.zeros(n, dtype=torch.int32, device=dev),
-                torch.ones(n, dtype=torch.float32, device=dev),
-                torch.zeros(n, dtype=torch.int64, device=dev))
-
-    def _warm_table_updates(self) -> None:
-        """The block-table update for 1, 16 and 17 new blocks (each its own specialization);
-        they write block 0 into the padding row, which holds zeros anyway."""
-        st = self.statics
-        for n in (1, 16, 17):
-            if n <= st.max_updates:
-                st.h_upd[:n] = (self.tables.pad_row, 0, 0)
-                st.push(n, statics=False)
-                update_block_table(self.table_dev, st.upd[:n])
+        return eager_warm_shapes(self)
 
     @property
     def scratch_bytes(self) -> int:

@@ -1,0 +1,155 @@
+"""The runner's warm-up: before the server reports ready, launch every kernel specialization
+serving will use, so that no Triton compile (or CUDA-graph capture) lands inside a step.
+
+Decode buckets x split classes are recorded (captured on a GPU); the sampling kernel runs in
+every variant at every bucket size; eager steps run in the shapes that change a Triton
+specialization (integer arguments equal to 1 or a multiple of 16 are specialized); the
+block-table update runs for 1, 16 and 17 entries. ``tests/kernels/gpu_compile_check.py
+--warm-up`` checks with the GPU's launch configurations that serving needs nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tinyserve.engine.model import ForwardBatch
+from tinyserve.kernels import sample, update_block_table
+from tinyserve.kernels.utils import INTERPRET
+
+if TYPE_CHECKING:
+    from tinyserve.engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# Sampling variants the warm-up runs: (all_greedy, any_top_k, any_top_p, top logprobs).
+SAMPLING_VARIANTS = ((True, False, False, 0), (False, False, False, 0), (False, True, False, 0),
+                     (False, False, True, 0), (False, True, True, 0), (True, False, False, 2))
+
+
+def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
+    """Record (and on a GPU capture) every decode bucket, run every sampling variant at
+    every bucket size and the eager shapes of ``eager_warm_shapes``, so that no kernel
+    specialization is compiled while serving.
+
+    ``compile_all`` (default: not under the interpreter): the interpreter compiles nothing
+    and a bucket recorded on first use costs that step nothing extra (the recording run
+    is the step), so on the CPU the warm-up does nothing unless asked to."""
+    t0 = time.perf_counter()
+    if compile_all is None:
+        compile_all = not INTERPRET
+    if not compile_all:
+        log.info("warm-up: interpreter, nothing to compile; decode buckets %s are recorded "
+                 "on first use", list(runner.buckets))
+        return {"buckets": [], "cuda_graphs": False, "sampling_variants": 0,
+                "eager_shapes": 0, "scratch_mib": 0.0, "seconds": 0.0,
+                "capacity": runner.statics.cap}
+    st = runner.statics
+    _warm_table_updates(runner)
+    shapes = eager_warm_shapes(runner)
+    for dec_lens, pre_lens in shapes:
+        _warm_eager(runner, dec_lens, pre_lens)
+    cap = st.cap
+    st.h_i64[0:2] = 0
+    st.h_i64[2] = -1
+    st.h_i64[3] = 1
+    st.h_i64[4] = runner.tables.pad_row
+    st.h_i64[5] = 0
+    st.h_topk[:] = 5
+    st.h_f32[0] = 0.7
+    st.h_f32[1] = 0.9
+    st.push(0)
+    for B in runner.buckets:
+        for max_len in runner.split_classes():
+            if (B, max_len) not in runner._recorded:
+                runner._record(B, max_len)
+    sizes = runner.buckets or tuple(sorted({min(n, runner.max_num_seqs) for n in (1, 2, 16)}))
+    launches = 0
+    for B in sizes:
+        logits = torch.zeros((B, runner.cfg.vocab_size), dtype=torch.float32, device=runner.device)
+        for greedy, top_k, top_p, n_top in SAMPLING_VARIANTS:
+            sample(logits, *_sampling_tensors_for(runner, B), n_top, all_greedy=greedy,
+                   any_top_k=top_k, any_top_p=top_p)
+            launches += 1
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),
+            "recordings": len(runner._recorded), "cuda_graphs": runner.use_graphs,
+            "sampling_variants": launches, "eager_shapes": len(shapes),
+            "scratch_mib": round(runner.scratch_bytes / 2**20, 1),
+            "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
+    log.info("warm-up: %d decode buckets %s x %d split classes recorded%s, %d sampling "
+             "variants, %d eager shapes, %.1f MiB scratch, %.2f s", len(runner.buckets),
+             list(runner.buckets), len(runner.split_classes()),
+             " and captured as CUDA graphs" if runner.use_graphs else "", launches,
+             len(shapes), info["scratch_mib"], info["seconds"])
+    return info
+
+
+def eager_warm_shapes(runner: ModelRunner) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(decode lengths, prefill chunk lengths) of the eager steps the warm-up runs. Triton
+    specializes an integer argument on being 1 or a multiple of 16, so: chunks of 16 and
+    17 tokens alone, 16 rows sampled of 32; then 1, 2, 15 and 16 decodes beside a 16-token
+    chunk (2 to 17 rows sampled), each at one KV split and at several when max_model_len
+    allows them.
+    (tests/kernels/gpu_compile_check.py --warm-up checks that serving needs no more.)"""
+    from tinyserve.kernels.attention_decode import default_split_size
+
+    split, longest = default_split_size(), runner.max_model_len
+    lengths = [min(split, longest)] + ([longest] if longest > split else [])
+    shapes = [((), (16,)), ((), (17,)), ((lengths[0],) * 15, (17,))]  # (16 rows of 32)
+    for n in (1, 2, 15, 16):
+        shapes += [((length,) * n, (16,)) for length in lengths]
+        if not runner.buckets:  # eager decode-only steps too
+            shapes += [((length,) * n, ()) for length in lengths]
+    return shapes
+
+
+def _warm_eager(runner: ModelRunner, dec_lens: tuple[int, ...], pre_lens: tuple[int, ...]) -> None:
+    """One eager forward pass of that shape on nothing: every row reads the all-zero padding
+    row of the block table and writes no KV (slot -1)."""
+    dev, pad = runner.device, runner.tables.pad_row
+    T = len(dec_lens) + sum(pre_lens)
+    q_start = [0]
+    for n in pre_lens:
+        q_start.append(q_start[-1] + n)
+
+    def ints(values, dtype=torch.int32):
+        return torch.tensor(list(values), dtype=dtype, device=dev)
+
+    batch = ForwardBatch(
+        input_ids=ints([0] * T, torch.int64), positions=ints([0] * T, torch.int64),
+        slot_mapping=ints([-1] * T, torch.int64), num_decodes=len(dec_lens),
+        block_tables=runner.table_dev, decode_rows=ints([pad] * len(dec_lens)),
+        decode_seq_lens=ints(dec_lens), decode_max_seq_len=max(dec_lens, default=0),
+        prefill_rows=ints([pad] * len(pre_lens)), prefill_seq_lens=ints(pre_lens),
+        prefill_q_start=ints(q_start), prefill_max_q_len=max(pre_lens, default=0),
+        logits_indices=ints(list(range(len(dec_lens))) + [len(dec_lens) + q - 1
+                                                           for q in q_start[1:]], torch.int64))
+    logits = runner.model.forward(batch, runner.kv_cache)
+    sample(logits, *_sampling_tensors_for(runner, logits.shape[0]), 0, all_greedy=True)
+
+
+def _sampling_tensors_for(runner: ModelRunner, n: int) -> tuple[torch.Tensor, ...]:
+    st = runner.statics
+    if n <= st.cap:
+        return st.temperature[:n], st.top_k[:n], st.top_p[:n], st.seeds[:n]
+    dev = runner.device
+    return (torch.ones(n, dtype=torch.float32, device=dev),
+            torch.zeros(n, dtype=torch.int32, device=dev),
+            torch.ones(n, dtype=torch.float32, device=dev),
+            torch.zeros(n, dtype=torch.int64, device=dev))
+
+
+def _warm_table_updates(runner: ModelRunner) -> None:
+    """The block-table update for 1, 16 and 17 new blocks (each its own specialization);
+    they write block 0 into the padding row, which holds zeros anyway."""
+    st = runner.statics
+    for n in (1, 16, 17):
+        if n <= st.max_updates:
+            st.h_upd[:n] = (runner.tables.pad_row, 0, 0)
+            st.push(n, statics=False)
+            update_block_table(runner.table_dev, st.upd[:n])
