@@ -43,3 +43,6 @@ def tmp_models(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("models")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+# The fleet tests (Ray Serve, minutes) run as their own step of .ci/run.
+collect_ignore = [] if os.environ.get("TINYSERVE_FLEET_TESTS") else ["fleet"]

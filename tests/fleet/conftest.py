@@ -1,0 +1,77 @@
+"""The fleet under Ray Serve, on this machine's CPUs: a local Ray cluster per test module.
+
+These tests need the ``ray`` extra and take minutes, so the main suite leaves them out
+(tests/conftest.py); ``.ci/run`` runs them as a step of their own:
+``TINYSERVE_FLEET_TESTS=1 python -m pytest tests/fleet``.
+"""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the fleet tests need: pip install -e '.[ray]'")
+from ray import serve  # noqa: E402
+
+from tinyserve.fleet.app import FleetConfig, build  # noqa: E402
+
+APP = "tinyserve"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # Logical CPUs: replicas take fractions; the Triton interpreter steps are what use the
+    # machine's real cores.
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 * 2**20,
+             log_to_driver=False, runtime_env={"env_vars": {"OPENBLAS_NUM_THREADS": "1"}})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(cfg: FleetConfig, port: int) -> str:
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(cfg), name=APP, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def replica_pids() -> dict[str, int]:
+    """Live TinyserveReplica actors: replica id -> the actor's process id (from Ray's GCS;
+    the state API would need the dashboard)."""
+    from ray._private import state
+
+    out = {}
+    for a in state.actors().values():
+        name = a.get("Name") or ""
+        if a.get("State") == "ALIVE" and "#TinyserveReplica#" in name:
+            out[name.rsplit("#", 1)[-1]] = a["Pid"]
+    return out
+
+
+def running_replicas() -> int:
+    st = serve.status().applications[APP].deployments["TinyserveReplica"]
+    return st.replica_states.get("RUNNING", 0)
+
+
+def wait_for(pred, timeout_s: float, what: str, step_s: float = 0.25):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step_s)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+async def await_for(pred, timeout_s: float, what: str, step_s: float = 0.25):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        await asyncio.sleep(step_s)
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -1,0 +1,178 @@
+"""The fleet's pieces that need no Ray: the routing decision, the prompt text it keys on,
+the relay's hold-back of a stream's opening, and the configuration. (The fleet itself runs
+under Ray in tests/fleet, a step of its own in .ci/run.)"""
+
+import msgspec
+import pytest
+
+from tinyserve.fleet.app import FleetConfig
+from tinyserve.fleet.messages import FleetRequest, ReplicaDown, relay_headers, routing_text
+from tinyserve.fleet.policy import LoadGuard, ReplicaLoad, rank
+from tinyserve.fleet.replica import _Holdback, has_output, load_from_metrics
+
+IDS = ["a", "b", "c"]
+
+
+def loads(**kw):
+    out = {i: ReplicaLoad() for i in IDS}
+    out.update(kw)
+    return out
+
+
+def test_prefix_owner_wins_while_load_is_close():
+    ls = loads(a=ReplicaLoad(running=10, waiting=5), b=ReplicaLoad(running=2))
+    assert rank(IDS, ls, ["a"], LoadGuard()) == [["a"], ["c", "b"]]
+
+
+def test_load_guard_needs_both_absolute_and_relative_excess():
+    g = LoadGuard(abs_threshold=32, rel_threshold=1.5)
+    # 40 more than the least loaded and far above 1.5x: the owner is skipped.
+    ls = loads(a=ReplicaLoad(running=64, waiting=40), b=ReplicaLoad(running=64),
+               c=ReplicaLoad(running=64))
+    assert rank(IDS, ls, ["a"], g)[0] == ["b"]
+    # 40 more, but only 1.4x the least loaded: still the owner (its cache is worth it).
+    ls = loads(a=ReplicaLoad(running=140), b=ReplicaLoad(running=100), c=ReplicaLoad(running=100))
+    assert rank(IDS, ls, ["a"], g)[0] == ["a"]
+    # 3x but only 20 more: the owner.
+    ls = loads(a=ReplicaLoad(running=30), b=ReplicaLoad(running=10), c=ReplicaLoad(running=10))
+    assert rank(IDS, ls, ["a"], g)[0] == ["a"]
+
+
+def test_full_kv_moves_the_request_when_another_replica_has_room():
+    g = LoadGuard()
+    ls = loads(a=ReplicaLoad(kv_usage=0.97), b=ReplicaLoad(kv_usage=0.5, running=3),
+               c=ReplicaLoad(kv_usage=0.96, running=1))
+    assert rank(IDS, ls, ["a"], g)[0] == ["b"]
+    everyone_full = {i: ReplicaLoad(kv_usage=0.99) for i in IDS}
+    assert rank(IDS, everyone_full, ["a"], g)[0] == ["a"]  # nowhere better to go
+
+
+def test_exclude_and_readiness():
+    ls = loads(b=ReplicaLoad(ready=False))
+    assert rank(IDS, ls, ["a"], LoadGuard(), exclude=["a"]) == [["c"], []]
+    # Only not-ready replicas left: used rather than nothing (they answer 503 themselves).
+    ls = {i: ReplicaLoad(ready=False) for i in IDS}
+    assert rank(IDS, ls, [], LoadGuard(), exclude=["a", "b"]) == [["c"], []]
+    assert rank(IDS, loads(), ["a"], LoadGuard(), exclude=IDS) == []
+
+
+def test_ties_spread_by_what_this_router_sent():
+    ls = loads()
+    assert rank(IDS, ls, IDS, LoadGuard(), routed={"a": 3, "b": 1, "c": 2})[0] == ["b"]
+    assert rank(IDS, ls, [], LoadGuard(), routed={"a": 1, "b": 1, "c": 0})[0] == ["c"]
+
+
+def test_every_replica_is_ranked_once():
+    ls = loads(a=ReplicaLoad(running=5), c=ReplicaLoad(running=1))
+    r = rank(IDS, ls, ["c"], LoadGuard())
+    assert sorted(sum(r, [])) == IDS and r[0] == ["c"]
+
+
+def test_replica_load_from_stats_defaults_before_the_first_report():
+    assert ReplicaLoad.from_stats({}) == ReplicaLoad()
+    assert ReplicaLoad.from_stats(None).ready
+    s = ReplicaLoad.from_stats({"running": 3, "waiting": 2, "kv_usage": 0.5, "ready": False})
+    assert s.requests == 5 and s.kv_usage == 0.5 and not s.ready
+
+
+@pytest.mark.parametrize("body, text", [
+    ({"prompt": "Once upon"}, "Once upon"),
+    ({"prompt": ["first", "second"]}, "first"),
+    ({"prompt": [1, 2, 3]}, "1 2 3"),
+    ({"prompt": [[4, 5], [6]]}, "4 5"),
+    ({"messages": [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+     "system:Be brief.\nuser:Hi\n"),
+    ({"messages": "not a list"}, ""),
+    ({"prompt": 7}, ""),
+    ([1, 2], ""),
+])
+def test_routing_text(body, text):
+    assert routing_text(msgspec.json.encode(body)) == text
+
+
+def test_routing_text_never_raises_on_garbage():
+    for raw in (b"", b"{", b"\xff\xfe", b'{"prompt": [{}]}', b'{"messages": [1, null]}'):
+        assert isinstance(routing_text(raw), str)
+
+
+def test_relay_headers_drop_hop_by_hop_and_lowercase():
+    got = relay_headers([("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked"),
+                         ("Connection", "keep-alive"), ("X-Request-Id", "r1"),
+                         ("Content-Length", "5"), ("Authorization", "Bearer k")])
+    assert got == [("content-type", "text/event-stream"), ("x-request-id", "r1"),
+                   ("authorization", "Bearer k")]
+
+
+def test_replica_down_survives_pickling():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(ReplicaDown("abc", "its server process has exited")))
+    assert e.replica_id == "abc" and "exited" in str(e)
+    assert FleetRequest("POST", "/v1/completions", [], b"{}").exclude == ()
+
+
+def _event(doc) -> bytes:
+    return b"data: " + msgspec.json.encode(doc) + b"\n\n"
+
+
+def test_the_opening_event_is_held_back_until_output():
+    opening = _event({"choices": [{"index": 0, "delta": {"role": "assistant"},
+                                   "finish_reason": None}]})
+    token = _event({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]})
+    h = _Holdback()
+    assert not h.feed(opening)
+    assert not h.feed(token[:10])  # an event split across reads
+    assert h.feed(token[10:])
+    assert bytes(h.buf) == opening + token
+
+
+@pytest.mark.parametrize("doc, out", [
+    ({"choices": [{"text": "x", "finish_reason": None}]}, True),
+    ({"choices": [{"text": "", "finish_reason": "length"}]}, True),
+    ({"choices": [{"delta": {"role": "assistant"}, "finish_reason": None}]}, False),
+    ({"choices": [{"delta": {"tool_calls": [{}]}, "finish_reason": None}]}, True),
+    ({"choices": [], "usage": {"prompt_tokens": 1}}, True),
+    ({"error": {"message": "boom"}}, True),
+])
+def test_has_output(doc, out):
+    assert has_output(msgspec.json.encode(doc)) is out
+    assert has_output(b"[DONE]") and has_output(b"not json")
+
+
+def test_load_from_metrics_sums_models_and_takes_the_fullest_kv():
+    text = "\n".join([
+        '# TYPE tinyserve:num_requests_running gauge',
+        'tinyserve:num_requests_running{model="a"} 3.0',
+        'tinyserve:num_requests_running{model="b"} 1.0',
+        '# TYPE tinyserve:num_requests_waiting gauge',
+        'tinyserve:num_requests_waiting{model="a"} 7.0',
+        '# TYPE tinyserve:kv_cache_usage_perc gauge',
+        'tinyserve:kv_cache_usage_perc{model="a"} 0.25',
+        'tinyserve:kv_cache_usage_perc{model="b"} 0.75', ""])
+    assert load_from_metrics(text) == {"running": 4.0, "waiting": 7.0, "kv_usage": 0.75}
+
+
+def test_fleet_config_validation():
+    assert FleetConfig(min_replicas=2, max_replicas=4).initial_replicas == 2
+    for bad in ({"min_replicas": 0}, {"min_replicas": 3, "max_replicas": 2},
+                {"initial_replicas": 5, "max_replicas": 2}, {"num_gpus": -1},
+                {"server_args": ["--port", 8000]}, {"target_ongoing_requests": 0}):
+        with pytest.raises(ValueError):
+            FleetConfig(**bad)
+    with pytest.raises(ValueError, match="unknown fleet option"):
+        FleetConfig.from_dict({"replicas": 2})
+
+
+def test_cli_splits_fleet_and_server_options():
+    from tinyserve.fleet.__main__ import config_from_args
+
+    args, cfg = config_from_args(["--replicas", "3", "--num-gpus", "1", "--port", "9000", "--",
+                                  "--model", "/m", "--max-num-seqs", "8"])
+    assert (cfg.min_replicas, cfg.max_replicas, cfg.initial_replicas) == (3, 3, 3)
+    assert cfg.num_gpus == 1.0 and args.port == 9000
+    assert cfg.server_args == ["--model", "/m", "--max-num-seqs", "8"]
+    _, cfg = config_from_args(["--min-replicas", "1", "--max-replicas", "4"])
+    assert (cfg.min_replicas, cfg.max_replicas, cfg.initial_replicas) == (1, 4, 1)
+    with pytest.raises(SystemExit):
+        config_from_args(["--min-replicas", "3", "--max-replicas", "1"])

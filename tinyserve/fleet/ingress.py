@@ -1,0 +1,131 @@
+"""The fleet's HTTP front: Serve's proxy hands each request to this deployment, which routes
+it to a replica (tinyserve.fleet.router) and streams the replica's answer back unchanged.
+
+A request is retried once, on another replica, when its replica fails before the client has
+seen anything of the answer: the replica's server died, the connection to it broke, or it
+answered 503 (draining, not ready). After the first output has gone out the stream cannot
+be redone elsewhere: it ends with an error event in the OpenAI envelope and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from tinyserve.fleet.messages import FleetRequest, relay_headers, routing_text
+from tinyserve.protocol import ApiError
+
+log = logging.getLogger("ray.serve")
+
+RETRY_STATUSES = frozenset({503})
+
+
+def _error(status: int, message: str, code: str | None = None) -> Response:
+    return Response(ApiError(status, message, code=code).body(), status_code=status,
+                    media_type="application/json")
+
+
+class FleetIngress:
+    """The Serve deployment class (decorated in :mod:`tinyserve.fleet.app`)."""
+
+    def __init__(self, replicas, max_body_bytes: int = 4 * 2**20,
+                 route_timeout_s: float = 60.0) -> None:
+        self.replicas = replicas.options(stream=True)
+        self.max_body_bytes = max_body_bytes
+        self.route_timeout_s = route_timeout_s
+
+    async def __call__(self, request: Request) -> Response:
+        if request.url.path == "/health":  # this ingress is up; /ready asks a replica
+            return Response(b'{"status":"ok"}', media_type="application/json")
+        try:
+            body = await self._body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except ValueError as e:
+            return _error(413, str(e))
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        req = FleetRequest(request.method, path, relay_headers(request.headers.items()), body,
+                           routing_text(body) if body else "")
+        return await self._answer(req)
+
+    async def _body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ValueError(f"request body of {declared} bytes is over the "
+                             f"{self.max_body_bytes}-byte limit")
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > self.max_body_bytes:
+                raise ValueError(f"request body is over the {self.max_body_bytes}-byte limit")
+        return bytes(buf)
+
+    async def _answer(self, req: FleetRequest) -> Response:
+        why = "no replica answered"
+        for attempt in range(2):
+            gen = self.replicas.forward.remote(req)
+            replica: str | None = None
+            try:
+                async with asyncio.timeout(self.route_timeout_s):
+                    replica = await gen.__anext__()  # routing waits here when none is up
+                status, headers = await gen.__anext__()
+                if status in RETRY_STATUSES and attempt == 0:
+                    why = f"replica {replica} answered {status}"
+                    raise _Retry(why)
+                first = await _next_or_empty(gen)
+            except asyncio.CancelledError:
+                gen.cancel()
+                raise
+            except TimeoutError:
+                gen.cancel()
+                return _error(503, f"no replica accepted the request within "
+                                   f"{self.route_timeout_s:g}s", "no_replica")
+            except Exception as e:  # the replica or its server died before any output
+                gen.cancel()
+                why = str(e) if isinstance(e, _Retry) else f"{type(e).__name__}: {e}"
+                log.warning("attempt %d failed before its first output (%s)%s", attempt + 1,
+                            why, "; retrying on another replica" if attempt == 0 else "")
+                if attempt == 0:
+                    req = dataclasses.replace(
+                        req, exclude=req.exclude + ((replica,) if replica else ()))
+                continue
+            hdrs = dict(headers)
+            hdrs["x-tinyserve-replica"] = replica
+            hdrs["x-tinyserve-attempts"] = str(attempt + 1)
+            return StreamingResponse(self._rest(gen, first, hdrs), status_code=status,
+                                     headers=hdrs)
+        return _error(502, f"the request failed on two replicas: {why}", "replica_failed")
+
+    @staticmethod
+    async def _rest(gen, first: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
+        sse = headers.get("content-type", "").startswith("text/event-stream")
+        try:
+            if first:
+                yield first
+            async for chunk in gen:
+                yield chunk
+        except Exception as e:
+            if not sse:
+                raise  # a whole body cannot be half sent: the connection is cut
+            log.warning("stream ended by a failing replica: %s: %s", type(e).__name__, e)
+            err = ApiError(502, "the replica serving this stream failed; the output above is "
+                                "incomplete", code="replica_failed")
+            yield b"data: " + err.body() + b"\n\ndata: [DONE]\n\n"
+        finally:
+            gen.cancel()  # a client that left: the replica aborts the request
+
+
+class _Retry(Exception):
+    pass
+
+
+async def _next_or_empty(gen) -> bytes:
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return b""

@@ -1,0 +1,80 @@
+"""What the fleet's ingress, router and replicas pass each other."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+# Per-connection headers (RFC 9110 7.6.1) and ones the relaying HTTP stacks set themselves.
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                  "trailer", "transfer-encoding", "upgrade", "host", "content-length", "date",
+                  "server"})
+
+
+def relay_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """End-to-end headers only, names lower-cased (HTTP names are case-insensitive)."""
+    return [(k.lower(), v) for k, v in items if k.lower() not in _HOP]
+
+
+@dataclass
+class FleetRequest:
+    """One HTTP request on its way to a replica. ``prompt`` is the text the router matches
+    against the prefixes each replica has seen; ``exclude`` names replicas a retry avoids."""
+
+    method: str
+    path_qs: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    prompt: str = ""
+    exclude: tuple[str, ...] = field(default=())
+
+
+class ReplicaDown(Exception):
+    """The replica could not answer: its server is gone or the connection to it broke."""
+
+    def __init__(self, replica_id: str, why: str) -> None:
+        super().__init__(f"replica {replica_id}: {why}")
+        self.replica_id = replica_id
+
+    def __reduce__(self):  # raised in the replica, re-raised in the ingress
+        return ReplicaDown, (self.replica_id, str(self).split(": ", 1)[1])
+
+
+def routing_text(body: bytes) -> str:
+    """The prompt text of a completion or chat request (what the prefix tree keys on); ""
+    for anything else. Never raises: the replica judges whether the body is valid."""
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return ""
+    if not isinstance(doc, dict):
+        return ""
+    prompt = doc.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:  # a batch routes on its first prompt
+        first = prompt[0]
+        if isinstance(first, str):
+            return first
+        if isinstance(first, int):  # token ids: their text form shares prefixes just as well
+            return " ".join(str(t) for t in prompt if isinstance(t, int))
+        if isinstance(first, list):
+            return " ".join(str(t) for t in first if isinstance(t, int))
+        return ""
+    messages = doc.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, str):
+                parts.append(f"{m.get('role', '')}:{content}\n")
+            elif isinstance(content, list):
+                parts.append(f"{m.get('role', '')}:" + "".join(
+                    p.get("text", "") for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)) + "\n")
+        return "".join(parts)
+    return ""

@@ -1,0 +1,74 @@
+"""The fleet's routing decision, free of Ray so it can be read and tested on its own.
+
+Cache-aware with a load guard, as SGLang's and vLLM's routers do it: a request goes to the
+replica that already holds the longest prefix of its prompt (so its KV blocks are reused),
+unless that replica is loaded well beyond the least loaded one - then to the least loaded.
+Load is what the replicas' own /metrics say: running + waiting requests, and KV usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    ready: bool = True
+
+    @property
+    def requests(self) -> float:
+        return self.running + self.waiting
+
+    @classmethod
+    def from_stats(cls, stats: Mapping | None) -> ReplicaLoad:
+        """From a replica's ``record_routing_stats`` (empty until its first report)."""
+        s = stats or {}
+        return cls(float(s.get("running", 0.0)), float(s.get("waiting", 0.0)),
+                   float(s.get("kv_usage", 0.0)), bool(s.get("ready", True)))
+
+
+@dataclass(frozen=True)
+class LoadGuard:
+    """When the prefix owner counts as overloaded: more than ``abs_threshold`` requests
+    above the least loaded replica *and* more than ``rel_threshold`` times its load (SGLang's
+    balance_abs/rel thresholds), or KV usage at ``kv_high`` while another replica is below."""
+
+    abs_threshold: float = 32.0
+    rel_threshold: float = 1.5
+    kv_high: float = 0.95
+
+    def overloaded(self, owner: ReplicaLoad, least: ReplicaLoad) -> bool:
+        if owner.kv_usage >= self.kv_high > least.kv_usage:
+            return True
+        return (owner.requests - least.requests > self.abs_threshold
+                and owner.requests > self.rel_threshold * least.requests)
+
+
+def rank(ids: Sequence[str], loads: Mapping[str, ReplicaLoad], owners: Sequence[str],
+         guard: LoadGuard, exclude: Sequence[str] = (),
+         routed: Mapping[str, int] | None = None) -> list[list[str]]:
+    """Replicas to try, best first, as ranks (Ray's router takes the first rank that has a
+    replica with room). ``owners``: replicas holding the longest matching prefix, or the
+    emptiest ones for a prompt nobody has seen. Excluded replicas (a retry's failed one) are
+    never chosen; replicas not ready are chosen only when no ready one is left. Ties go to
+    the replica this router sent fewest requests (``routed``): the metrics lag a burst."""
+    live = [i for i in ids if i not in exclude]
+    ready = [i for i in live if loads[i].ready]
+    pool = ready or live
+    if not pool:
+        return []
+    routed = routed or {}
+    by_load = sorted(pool, key=lambda i: (loads[i].requests, loads[i].kv_usage,
+                                          routed.get(i, 0)))
+    # Where a request goes when its owner is overloaded: the least loaded replica with KV
+    # room, if any has room.
+    roomy = [i for i in by_load if loads[i].kv_usage < guard.kv_high] or by_load
+    least = loads[roomy[0]]
+    owned = [i for i in by_load if i in set(owners)
+             and not guard.overloaded(loads[i], least)]
+    first = (owned or roomy)[0]
+    return [[first], [i for i in by_load if i != first]]
