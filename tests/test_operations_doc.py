@@ -20,7 +20,8 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 # Long options of other programs the page shows, with the file that must define each: checked
 # against that file's source, so they cannot go stale either.
 FOREIGN_FLAGS = {"--url": "loadtest/bench.py", "--concurrency": "loadtest/bench.py",
-                 "--requests": "loadtest/bench.py", "--max-tokens": "loadtest/bench.py"}
+                 "--requests": "loadtest/bench.py", "--max-tokens": "loadtest/bench.py",
+                 "--plot": "loadtest/bench.py"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
@@ -59,9 +60,12 @@ def alerts() -> list[dict]:
 
 
 def server_flags() -> set[str]:
+    """Flags of the server and of the fleet launcher (python -m tinyserve.fleet)."""
     from tinyserve.__main__ import build_parser
+    from tinyserve.fleet.__main__ import build_parser as fleet_parser
 
-    return {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
+    return {s for p in (build_parser(), fleet_parser()) for a in p._actions
+            for s in a.option_strings if s.startswith("--")}
 
 
 def exported_metrics() -> set[str]:
