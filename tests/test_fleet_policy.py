@@ -49,17 +49,20 @@ def test_full_kv_moves_the_request_when_another_replica_has_room():
 
 def test_exclude_and_readiness():
     ls = loads(b=ReplicaLoad(ready=False))
-    assert rank(IDS, ls, ["a"], LoadGuard(), exclude=["a"]) == [["c"], []]
+    # The retry's failed replica goes last, behind the one that is not ready.
+    assert rank(IDS, ls, ["a"], LoadGuard(), exclude=["a"]) == [["c"], ["b", "a"]]
     # Only not-ready replicas left: used rather than nothing (they answer 503 themselves).
     ls = {i: ReplicaLoad(ready=False) for i in IDS}
-    assert rank(IDS, ls, [], LoadGuard(), exclude=["a", "b"]) == [["c"], []]
-    assert rank(IDS, loads(), ["a"], LoadGuard(), exclude=IDS) == []
+    assert rank(IDS, ls, [], LoadGuard(), exclude=["a", "b"])[0] == ["c"]
+    # Every replica excluded (a one-replica fleet's retry): try them anyway, at once.
+    assert rank(["a"], loads(), ["a"], LoadGuard(), exclude=["a"]) == [["a"], []]
+    assert rank([], {}, [], LoadGuard()) == []
 
 
-def test_ties_spread_by_what_this_router_sent():
+def test_ties_spread_by_what_this_router_picked():
     ls = loads()
-    assert rank(IDS, ls, IDS, LoadGuard(), routed={"a": 3, "b": 1, "c": 2})[0] == ["b"]
-    assert rank(IDS, ls, [], LoadGuard(), routed={"a": 1, "b": 1, "c": 0})[0] == ["c"]
+    assert rank(IDS, ls, IDS, LoadGuard(), picked={"a": 3, "b": 1, "c": 2})[0] == ["b"]
+    assert rank(IDS, ls, [], LoadGuard(), picked={"a": 1, "b": 1, "c": 0})[0] == ["c"]
 
 
 def test_every_replica_is_ranked_once():
@@ -155,9 +158,21 @@ def test_load_from_metrics_sums_models_and_takes_the_fullest_kv():
 
 def test_fleet_config_validation():
     assert FleetConfig(min_replicas=2, max_replicas=4).initial_replicas == 2
+    # Serve sends a replica at most what its server would queue (max-num-seqs + max-waiting).
+    assert FleetConfig().max_ongoing_requests == 64 + 256
+    assert FleetConfig(server_args=["--max-num-seqs", "4", "--max-waiting=10"]
+                       ).max_ongoing_requests == 14
+    assert FleetConfig(max_ongoing_requests=7).max_ongoing_requests == 7
+    # The server drains as long as Serve waits for a removed replica's requests.
+    assert FleetConfig(drain_timeout_s=12).replica_server_args() == ["--drain-timeout", "12"]
+    assert FleetConfig(server_args=["--drain-timeout", "5"]).replica_server_args() == [
+        "--drain-timeout", "5"]
+    assert FleetConfig(drain_timeout_s=12).shutdown_timeout_s() > 12
     for bad in ({"min_replicas": 0}, {"min_replicas": 3, "max_replicas": 2},
                 {"initial_replicas": 5, "max_replicas": 2}, {"num_gpus": -1},
-                {"server_args": ["--port", 8000]}, {"target_ongoing_requests": 0}):
+                {"server_args": ["--port", 8000]}, {"target_ongoing_requests": 0},
+                {"server_args": ["--port", "8000"]}, {"server_args": ["--host=::"]},
+                {"server_args": ["--no-such-flag"]}, {"max_ongoing_requests": 0}):
         with pytest.raises(ValueError):
             FleetConfig(**bad)
     with pytest.raises(ValueError, match="unknown fleet option"):

@@ -13,6 +13,8 @@ import threading
 
 from tinyserve.fleet.app import FleetConfig
 
+APP = "tinyserve"
+
 HELP = {
     "replicas": "a fixed number of replicas (no autoscaling)",
     "min_replicas": "autoscaling floor",
@@ -81,17 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     from tinyserve.fleet.app import build
 
     ray.init(address=args.address, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build(cfg), name="tinyserve", route_prefix="/")
-    logging.info("fleet up on http://%s:%d (%d-%d replicas)", args.host, args.port,
-                 cfg.min_replicas, cfg.max_replicas)
-    stop = threading.Event()
+    stop = threading.Event()  # after ray.init, which installs handlers of its own
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    logging.info("shutting down: replicas drain their requests")
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        # On a cluster where Serve already runs, its HTTP options stay what they are.
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build(cfg), name=APP, route_prefix="/")
+        logging.info("fleet up (%d-%d replicas): POST /v1/completions and /v1/chat/completions "
+                     "on Serve's HTTP proxy (asked for http://%s:%d)", cfg.min_replicas,
+                     cfg.max_replicas, args.host, args.port)
+        stop.wait()
+        logging.info("shutting down: replicas drain their requests")
+    finally:
+        if args.address is None:
+            serve.shutdown()  # our own local cluster: all of it
+        else:
+            serve.delete(APP)  # a shared cluster keeps its other applications
+        ray.shutdown()
     return 0
 
 

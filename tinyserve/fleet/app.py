@@ -31,10 +31,14 @@ class FleetConfig:
     # Per replica: one GPU each on a GPU machine, a share of a CPU without one.
     num_gpus: float = 0.0
     num_cpus: float = 1.0
-    max_ongoing_requests: int = 320  # the server's max-num-seqs + max-waiting: it 429s beyond
+    # Requests Serve sends one replica at once; default: the server's max-num-seqs +
+    # max-waiting (from server_args), beyond which it would answer 429.
+    max_ongoing_requests: int | None = None
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 10.0
     startup_timeout_s: float = 600.0
+    # How long a replica being removed (downscale, redeploy) gives its requests to finish;
+    # also the server's --drain-timeout. Set it above your longest request.
     drain_timeout_s: float = 30.0
     routing_stats_period_s: float = 1.0
     # Load guard (policy.LoadGuard) and prefix matching.
@@ -62,6 +66,36 @@ class FleetConfig:
             raise ValueError("server_args must be a list of strings")
         if self.target_ongoing_requests <= 0:
             raise ValueError("target_ongoing_requests must be > 0")
+        for a in self.server_args:
+            if a.split("=", 1)[0] in ("--host", "--port"):
+                raise ValueError(f"server_args may not set {a.split('=', 1)[0]}: each replica "
+                                 "runs its server on 127.0.0.1 on a free port")
+        server = self.parsed_server_args()
+        if self.max_ongoing_requests is None:
+            self.max_ongoing_requests = server.max_num_seqs + server.max_waiting
+        if self.max_ongoing_requests < 1:
+            raise ValueError("max_ongoing_requests must be >= 1")
+
+    def parsed_server_args(self):
+        """server_args as the server will read them (its defaults filled in)."""
+        from tinyserve.__main__ import build_parser
+
+        try:
+            return build_parser().parse_args(self.server_args)
+        except SystemExit:
+            raise ValueError(f"server_args are not valid server options: "
+                             f"{' '.join(self.server_args)}") from None
+
+    def replica_server_args(self) -> list[str]:
+        """server_args, plus --drain-timeout from drain_timeout_s unless they set it."""
+        if any(a.split("=", 1)[0] == "--drain-timeout" for a in self.server_args):
+            return list(self.server_args)
+        return [*self.server_args, "--drain-timeout", f"{self.drain_timeout_s:g}"]
+
+    def shutdown_timeout_s(self) -> float:
+        """Serve waits this long for a removed replica: its requests (drain_timeout_s), then
+        the server's own drain and exit, with room to spare."""
+        return 2 * self.drain_timeout_s + 10
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> FleetConfig:
@@ -80,8 +114,7 @@ class FleetConfig:
             "max_ongoing_requests": self.max_ongoing_requests,
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
-            # The server drains on SIGTERM; Serve must wait longer than it does.
-            "graceful_shutdown_timeout_s": self.drain_timeout_s + 10,
+            "graceful_shutdown_timeout_s": self.shutdown_timeout_s(),
             "request_router_config": RequestRouterConfig(
                 request_router_class=ROUTER_CLASS,
                 request_router_kwargs={
@@ -122,7 +155,7 @@ def build(cfg: FleetConfig):
                                num_replicas=cfg.ingress_replicas,
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)  # back-pressure is the replicas'
-    return ingress.bind(replica.bind(cfg.server_args, cfg.startup_timeout_s,
+    return ingress.bind(replica.bind(cfg.replica_server_args(), cfg.startup_timeout_s,
                                      cfg.drain_timeout_s),
                         cfg.max_body_bytes, cfg.route_timeout_s)
 

@@ -3,8 +3,9 @@ it to a replica (tinyserve.fleet.router) and streams the replica's answer back u
 
 A request is retried once, on another replica, when its replica fails before the client has
 seen anything of the answer: the replica's server died, the connection to it broke, or it
-answered 503 (draining, not ready). After the first output has gone out the stream cannot
-be redone elsewhere: it ends with an error event in the OpenAI envelope and ``[DONE]``.
+answered 503 (draining, not ready) or 429 (its queue is full). After the first output has
+gone out the stream cannot be redone elsewhere: it ends with an error event in the OpenAI
+envelope and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections.abc import AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from tinyserve.fleet.messages import FleetRequest, relay_headers, routing_text
+from tinyserve.fleet.messages import FleetRequest, ReplicaDown, relay_headers, routing_text
 from tinyserve.protocol import ApiError
 
 log = logging.getLogger("ray.serve")
 
-RETRY_STATUSES = frozenset({503})
+RETRY_STATUSES = frozenset({429, 503})
 
 
 def _error(status: int, message: str, code: str | None = None) -> Response:
@@ -87,9 +88,10 @@ class FleetIngress:
                                    f"{self.route_timeout_s:g}s", "no_replica")
             except Exception as e:  # the replica or its server died before any output
                 gen.cancel()
-                why = str(e) if isinstance(e, _Retry) else f"{type(e).__name__}: {e}"
+                why = _reason(e)
                 log.warning("attempt %d failed before its first output (%s)%s", attempt + 1,
-                            why, "; retrying on another replica" if attempt == 0 else "")
+                            e if isinstance(e, _Retry) else repr(e),
+                            "; retrying on another replica" if attempt == 0 else "")
                 if attempt == 0:
                     req = dataclasses.replace(
                         req, exclude=req.exclude + ((replica,) if replica else ()))
@@ -97,31 +99,50 @@ class FleetIngress:
             hdrs = dict(headers)
             hdrs["x-tinyserve-replica"] = replica
             hdrs["x-tinyserve-attempts"] = str(attempt + 1)
-            return StreamingResponse(self._rest(gen, first, hdrs), status_code=status,
-                                     headers=hdrs)
+            if not hdrs.get("content-type", "").startswith("text/event-stream"):
+                gen.cancel()  # a whole body is one chunk: nothing more will come
+                return Response(first, status_code=status, headers=hdrs)
+            return StreamingResponse(self._rest(gen, first), status_code=status, headers=hdrs)
         return _error(502, f"the request failed on two replicas: {why}", "replica_failed")
 
     @staticmethod
-    async def _rest(gen, first: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
-        sse = headers.get("content-type", "").startswith("text/event-stream")
+    async def _rest(gen, first: bytes) -> AsyncIterator[bytes]:
+        """The rest of an SSE stream; a failing replica's stream ends with an error event."""
+        done = False
+        last = first
         try:
             if first:
                 yield first
             async for chunk in gen:
+                last = chunk
                 yield chunk
+            done = True
         except Exception as e:
-            if not sse:
-                raise  # a whole body cannot be half sent: the connection is cut
-            log.warning("stream ended by a failing replica: %s: %s", type(e).__name__, e)
+            log.warning("stream ended by a failing replica: %r", e)
             err = ApiError(502, "the replica serving this stream failed; the output above is "
                                 "incomplete", code="replica_failed")
-            yield b"data: " + err.body() + b"\n\ndata: [DONE]\n\n"
+            # The replica sends whole events; should a partial one have slipped through, the
+            # blank line ends it so the error is an event of its own.
+            sep = b"" if not last or last.endswith(b"\n\n") else b"\n\n"
+            yield sep + b"data: " + err.body() + b"\n\ndata: [DONE]\n\n"
+            done = True
         finally:
-            gen.cancel()  # a client that left: the replica aborts the request
+            if not done:
+                gen.cancel()  # the client left: the replica aborts the request
 
 
 class _Retry(Exception):
     pass
+
+
+def _reason(e: BaseException) -> str:
+    """A failure, told to the client without Ray's remote traceback."""
+    cause = getattr(e, "cause", None) or e  # Ray wraps a replica's exception
+    if isinstance(cause, ReplicaDown) and hasattr(cause, "why"):
+        return f"replica {cause.replica_id}: {cause.why}"
+    if isinstance(cause, _Retry):
+        return str(cause)
+    return type(cause).__name__
 
 
 async def _next_or_empty(gen) -> bytes:

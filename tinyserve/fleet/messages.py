@@ -36,10 +36,10 @@ class ReplicaDown(Exception):
 
     def __init__(self, replica_id: str, why: str) -> None:
         super().__init__(f"replica {replica_id}: {why}")
-        self.replica_id = replica_id
+        self.replica_id, self.why = replica_id, why
 
     def __reduce__(self):  # raised in the replica, re-raised in the ingress
-        return ReplicaDown, (self.replica_id, str(self).split(": ", 1)[1])
+        return ReplicaDown, (self.replica_id, self.why)
 
 
 def routing_text(body: bytes) -> str:

@@ -33,9 +33,10 @@ class ReplicaLoad:
 
 @dataclass(frozen=True)
 class LoadGuard:
-    """When the prefix owner counts as overloaded: more than ``abs_threshold`` requests
-    above the least loaded replica *and* more than ``rel_threshold`` times its load (SGLang's
-    balance_abs/rel thresholds), or KV usage at ``kv_high`` while another replica is below."""
+    """When the prefix owner counts as overloaded, compared with ``least``, the least loaded
+    replica with KV room: more than ``abs_threshold`` requests above it *and* more than
+    ``rel_threshold`` times its load (SGLang's balance_abs/rel thresholds), or KV usage at
+    ``kv_high`` while it is below."""
 
     abs_threshold: float = 32.0
     rel_threshold: float = 1.5
@@ -50,25 +51,34 @@ class LoadGuard:
 
 def rank(ids: Sequence[str], loads: Mapping[str, ReplicaLoad], owners: Sequence[str],
          guard: LoadGuard, exclude: Sequence[str] = (),
-         routed: Mapping[str, int] | None = None) -> list[list[str]]:
+         picked: Mapping[str, int] | None = None) -> list[list[str]]:
     """Replicas to try, best first, as ranks (Ray's router takes the first rank that has a
-    replica with room). ``owners``: replicas holding the longest matching prefix, or the
-    emptiest ones for a prompt nobody has seen. Excluded replicas (a retry's failed one) are
-    never chosen; replicas not ready are chosen only when no ready one is left. Ties go to
-    the replica this router sent fewest requests (``routed``): the metrics lag a burst."""
-    live = [i for i in ids if i not in exclude]
-    ready = [i for i in live if loads[i].ready]
-    pool = ready or live
-    if not pool:
+    replica with room); every replica appears once.
+
+    ``owners``: replicas holding the longest matching prefix, or the emptiest ones for a
+    prompt nobody has seen. The first rank is the least loaded owner that is not overloaded,
+    else the least loaded replica with KV room. Replicas not ready come after ready ones, and
+    excluded ones (a retry's failed replica) last: a one-replica fleet still retries on
+    itself rather than waiting for a replica that may never come. Ties go to the replica
+    picked least often so far (``picked``): the metrics lag a burst."""
+    if not ids:
         return []
-    routed = routed or {}
-    by_load = sorted(pool, key=lambda i: (loads[i].requests, loads[i].kv_usage,
-                                          routed.get(i, 0)))
+    picked = picked or {}
+
+    def order(group: Sequence[str]) -> list[str]:
+        return sorted(group, key=lambda i: (loads[i].requests, loads[i].kv_usage,
+                                            picked.get(i, 0)))
+
+    live = [i for i in ids if i not in exclude]
+    ready = order([i for i in live if loads[i].ready])
+    pool = ready or order(live)
+    tail = [i for i in order(live) if i not in pool] + order([i for i in ids if i in exclude])
+    if not pool:
+        return [tail[:1], tail[1:]]
     # Where a request goes when its owner is overloaded: the least loaded replica with KV
     # room, if any has room.
-    roomy = [i for i in by_load if loads[i].kv_usage < guard.kv_high] or by_load
+    roomy = [i for i in pool if loads[i].kv_usage < guard.kv_high] or pool
     least = loads[roomy[0]]
-    owned = [i for i in by_load if i in set(owners)
-             and not guard.overloaded(loads[i], least)]
+    owned = [i for i in pool if i in set(owners) and not guard.overloaded(loads[i], least)]
     first = (owned or roomy)[0]
-    return [[first], [i for i in by_load if i != first]]
+    return [[first], [i for i in pool if i != first] + tail]

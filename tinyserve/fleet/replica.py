@@ -32,15 +32,24 @@ from tinyserve.fleet.messages import FleetRequest, ReplicaDown, relay_headers
 
 log = logging.getLogger("ray.serve")
 
-_LISTENING = re.compile(rb"listening on http://[^:]+:(\d+)")
+_LISTENING = re.compile(rb"listening on http://[^ ]+:(\d+) ")
 _PR_SET_PDEATHSIG = 1
+_MAX_LOG_LINE = 8192  # longer child log lines are cut (never stall the pipe)
+
+try:  # resolved here: the child, between fork and exec, only calls it
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: a killed actor may leave the child behind
+    _prctl = None
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: a killed actor may leave the child behind
-        pass
+def _death_signal(parent: int):
+    """preexec_fn for the child: SIGKILL it when the replica's process dies."""
+    def set_it() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    return set_it
 
 
 def has_output(event: bytes) -> bool:
@@ -70,6 +79,7 @@ class _Holdback:
     def __init__(self) -> None:
         self.buf = bytearray()
         self._scanned = 0
+        self.unavailable = False  # the first output is a 503-type error event
 
     def feed(self, chunk: bytes) -> bool:
         self.buf += chunk
@@ -78,6 +88,7 @@ class _Holdback:
             data = b"".join(line[5:].strip() for line in event.split(b"\n")
                             if line.startswith(b"data:"))
             if data and has_output(data):
+                self.unavailable = b'"service_unavailable"' in data and b'"error"' in data
                 return True
         return False
 
@@ -85,7 +96,14 @@ class _Holdback:
 class ServerProcess:
     """The child ``python -m tinyserve`` and the address it listens on."""
 
-    def __init__(self, server_args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, server_args: list[str], env: dict[str, str] | None = None,
+                 command: list[str] | None = None) -> None:
+        for a in server_args:
+            if a.split("=", 1)[0] in ("--host", "--port"):
+                raise ValueError(f"{a.split('=', 1)[0]} is the replica's to choose: each "
+                                 "server listens on 127.0.0.1 on a free port")
+        self.command = command or [sys.executable, "-m", "tinyserve", "--host", "127.0.0.1",
+                                   "--port", "0"]
         self.server_args = server_args
         self.env = env
         self.proc: asyncio.subprocess.Process | None = None
@@ -97,9 +115,8 @@ class ServerProcess:
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
         # Port 0: the server binds a free port and logs it; no race with other replicas.
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tinyserve", "--host", "127.0.0.1", "--port", "0",
-            *self.server_args, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
+            *self.command, *self.server_args, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=_death_signal(os.getpid()))
         found = asyncio.get_running_loop().create_future()
         self._pump = asyncio.create_task(self._forward_log(found))
         try:
@@ -110,12 +127,21 @@ class ServerProcess:
             raise
 
     async def _forward_log(self, found: asyncio.Future) -> None:
-        """Relays the child's log into the replica's (Ray keeps it per actor)."""
+        """Relays the child's log into the replica's (Ray keeps it per actor). Reads chunks,
+        not lines: a line of any length must not stop the draining of the pipe."""
         assert self.proc is not None and self.proc.stderr is not None
-        async for line in self.proc.stderr:
-            if not found.done() and (m := _LISTENING.search(line)):
-                found.set_result(int(m.group(1)))
-            log.info("server: %s", line.decode(errors="replace").rstrip())
+        pending = b""
+        while chunk := await self.proc.stderr.read(65536):
+            *lines, pending = (pending + chunk).split(b"\n")
+            if len(pending) > _MAX_LOG_LINE:
+                lines.append(pending)
+                pending = b""
+            for line in lines:
+                if not found.done() and (m := _LISTENING.search(line[:_MAX_LOG_LINE])):
+                    found.set_result(int(m.group(1)))
+                log.info("server: %s", line[:_MAX_LOG_LINE].decode(errors="replace").rstrip())
+        if pending:
+            log.info("server: %s", pending[:_MAX_LOG_LINE].decode(errors="replace"))
         if not found.done():
             found.set_exception(RuntimeError(
                 f"the server exited with {await self.proc.wait()} before listening"))
@@ -135,7 +161,12 @@ class ServerProcess:
                 self.proc.kill()
                 await self.proc.wait()
         if self._pump is not None:
-            await asyncio.gather(self._pump, return_exceptions=True)
+            # EOF on stderr normally follows the exit; a grandchild holding the pipe must not
+            # hold up the shutdown.
+            try:
+                await asyncio.wait_for(asyncio.shield(self._pump), 5)
+            except Exception:
+                self._pump.cancel()
 
 
 class TinyserveReplica:
@@ -148,20 +179,26 @@ class TinyserveReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.drain_timeout_s = drain_timeout_s
         self.server = ServerProcess(server_args)
-        await self.server.start(startup_timeout_s)
-        self.base = f"http://127.0.0.1:{self.server.port}"
-        self.session = aiohttp.ClientSession(
-            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, connect=10),
-            connector=aiohttp.TCPConnector(limit=0))
-        # Serve counts a replica as started when __init__ returns: wait for the model.
-        async with asyncio.timeout(startup_timeout_s):
-            while not await self._ok("/ready"):
-                if not self.server.alive:
-                    raise RuntimeError("the server exited while loading its model")
-                await asyncio.sleep(0.2)
+        self.session: aiohttp.ClientSession | None = None
+        try:  # Serve counts a replica as started when __init__ returns: wait for the model.
+            async with asyncio.timeout(startup_timeout_s):
+                await self.server.start(startup_timeout_s)
+                self.base = f"http://127.0.0.1:{self.server.port}"
+                self.session = aiohttp.ClientSession(
+                    auto_decompress=False,
+                    timeout=aiohttp.ClientTimeout(total=None, connect=10),
+                    connector=aiohttp.TCPConnector(limit=0))
+                while not await self._ok("/ready"):
+                    if not self.server.alive:
+                        raise RuntimeError("the server exited while loading its model")
+                    await asyncio.sleep(0.2)
+        except BaseException:
+            await self._close(0)
+            raise
         log.info("replica %s: server ready on %s", self.replica_id, self.base)
 
     async def _ok(self, path: str, timeout_s: float = 5.0) -> bool:
+        assert self.session is not None
         try:
             async with self.session.get(self.base + path,
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -172,7 +209,7 @@ class TinyserveReplica:
 
     async def forward(self, req: FleetRequest) -> AsyncIterator[Any]:
         yield self.replica_id
-        if not self.server.alive:
+        if not self.server.alive or self.session is None:
             raise ReplicaDown(self.replica_id, "its server process has exited")
         try:
             async with self.session.request(req.method, self.base + req.path_qs,
@@ -182,14 +219,25 @@ class TinyserveReplica:
                     yield await resp.read()
                     return
                 hold: _Holdback | None = _Holdback()
+                tail = b""
                 async for chunk in resp.content.iter_any():
-                    if hold is None:
-                        yield chunk
-                    elif hold.feed(chunk):
-                        yield bytes(hold.buf)
-                        hold = None
-                if hold is not None and hold.buf:
-                    yield bytes(hold.buf)
+                    if hold is not None:
+                        if not hold.feed(chunk):
+                            continue
+                        if hold.unavailable:  # drained or down before any output: retryable
+                            raise ReplicaDown(self.replica_id, "its server answered "
+                                              "'service unavailable' before any output")
+                        chunk, hold = bytes(hold.buf), None
+                    # Whole events only: an error event after a failure must not be glued
+                    # onto half of one.
+                    data = tail + chunk
+                    cut = data.rfind(b"\n\n") + 2
+                    if cut >= 2:
+                        yield data[:cut]
+                    tail = data[cut:] if cut >= 2 else data
+                rest = tail if hold is None else bytes(hold.buf)
+                if rest:
+                    yield rest
         except (aiohttp.ClientError, ConnectionError) as e:
             raise ReplicaDown(self.replica_id, f"{type(e).__name__}: {e}") from None
 
@@ -205,7 +253,7 @@ class TinyserveReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Read by the router (tinyserve.fleet.router): readiness, queue and KV usage from
         the server's own /ready and /metrics."""
-        if not self.server.alive:
+        if not self.server.alive or self.session is None:
             return {"ready": False}
         stats: dict[str, Any] = {"ready": await self._ok("/ready")}
         try:
@@ -217,9 +265,17 @@ class TinyserveReplica:
         stats.update(load_from_metrics(text))
         return stats
 
-    async def __del__(self) -> None:  # Serve's graceful shutdown hook
-        await self.server.stop(self.drain_timeout_s)
-        await self.session.close()
+    async def _close(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def __del__(self) -> None:
+        """Serve's shutdown hook, called once the replica's requests are done (or its
+        graceful_shutdown_timeout_s is near): the server drains and exits."""
+        if hasattr(self, "server"):
+            await self._close(self.drain_timeout_s)
 
 
 def load_from_metrics(text: str) -> dict[str, float]:

@@ -1,0 +1,65 @@
+"""The ingress's stream tail and error reporting, without a cluster."""
+
+import asyncio
+
+from ray.exceptions import RayTaskError
+
+from tinyserve.fleet.ingress import FleetIngress, _reason
+from tinyserve.fleet.messages import ReplicaDown
+
+
+class _Gen:
+    """Stands in for a DeploymentResponseGenerator."""
+
+    def __init__(self, chunks, fail: bool):
+        self.chunks, self.fail, self.cancelled = list(chunks), fail, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.chunks:
+            return self.chunks.pop(0)
+        if self.fail:
+            raise ReplicaDown("r1", "ServerDisconnectedError: gone")
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
+
+
+async def _collect(gen, first):
+    return [c async for c in FleetIngress._rest(gen, first)]
+
+
+def test_a_failing_stream_ends_with_its_own_error_event_and_done():
+    gen = _Gen([b'data: {"choices":[{"text":" dog"}]}\n\n', b'data: {"choi'], fail=True)
+    out = b"".join(asyncio.run(_collect(gen, b'data: {"choices":[{"text":"A"}]}\n\n')))
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert events[-2].startswith(b'data: {"error"') and b"replica_failed" in events[-2]
+    assert not gen.cancelled  # it ended by itself
+
+
+def test_a_finished_stream_is_not_cancelled_and_a_left_one_is():
+    gen = _Gen([b"data: [DONE]\n\n"], fail=False)
+    assert b"".join(asyncio.run(_collect(gen, b"x\n\n"))) == b"x\n\ndata: [DONE]\n\n"
+    assert not gen.cancelled
+
+    async def leave():
+        g = _Gen([b"a\n\n", b"b\n\n"], fail=False)
+        it = FleetIngress._rest(g, b"first\n\n")
+        await it.__anext__()
+        await it.aclose()  # what Starlette does when the client goes away
+        return g
+    assert asyncio.run(leave()).cancelled
+
+
+def test_reason_never_carries_a_remote_traceback():
+    try:
+        raise ReplicaDown("abc", "its server process has exited")
+    except ReplicaDown as c:
+        wrapped = RayTaskError("forward", "Traceback (most recent call last):\n  File ...",
+                               c).as_instanceof_cause()
+    assert _reason(wrapped) == "replica abc: its server process has exited"
+    assert _reason(RuntimeError("secret /path")) == "RuntimeError"
