@@ -195,6 +195,7 @@ class TinyserveReplica:
         except BaseException:
             await self._close(0)
             raise
+        self._open = True
         log.info("replica %s: server ready on %s", self.replica_id, self.base)
 
     async def _ok(self, path: str, timeout_s: float = 5.0) -> bool:
@@ -271,11 +272,15 @@ class TinyserveReplica:
             await self.session.close()
             self.session = None
 
-    async def __del__(self) -> None:
+    def __del__(self):
         """Serve's shutdown hook, called once the replica's requests are done (or its
-        graceful_shutdown_timeout_s is near): the server drains and exits."""
-        if hasattr(self, "server"):
-            await self._close(self.drain_timeout_s)
+        graceful_shutdown_timeout_s is near): returns the coroutine Serve awaits, in which
+        the server drains and exits. (Not ``async def``: the garbage collector calls
+        ``__del__`` too, and must not be handed a coroutine nobody awaits.)"""
+        if not getattr(self, "_open", False):
+            return None
+        self._open = False
+        return self._close(self.drain_timeout_s)
 
 
 def load_from_metrics(text: str) -> dict[str, float]:
