@@ -13,6 +13,7 @@ batcher and SLO controller; admission, ingress, metrics and the supervisor are s
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import signal
@@ -125,7 +126,9 @@ class Server:
         actors += [(f"batcher[{name}]", b.run()) for name, b in self.batchers.items()]
         for name, coro in actors:
             self.supervisor.watch(loop.create_task(coro, name=name))
-        parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer)
+        roots = {spec.name: spec.engine.model or spec.name for spec in self.models}
+        parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer,
+                                      roots[name])
                    for name, e in engines.items()}
         self.ingress.backend = Backend(parsers, self.admission, self.router, self.metrics,
                                        self.supervisor)
@@ -144,6 +147,11 @@ class Server:
             if warm_up is not None:  # every kernel specialization, before the first request
                 await loop.run_in_executor(None, warm_up)
             await self._warm_up(spec.name, engines[spec.name].tokenizer)
+        # Everything alive now (weights, kernels, tokenizers, the interpreter's caches) lives
+        # as long as the process: freezing it keeps the collector from walking it again. A
+        # full collection over that heap stalled the event loop for 100+ ms at a time.
+        gc.collect()
+        gc.freeze()
         self.admission.ready = True
         for spec in self.models:
             info = infos[spec.name]
