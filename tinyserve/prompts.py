@@ -23,6 +23,7 @@ from tinyserve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    TokenizeRequest,
     message_text,
     to_sampling_params,
 )
@@ -34,7 +35,9 @@ CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
 class PromptParser:
     """One served model's view of a request: its tokenizer, context length and vocabulary."""
 
-    def __init__(self, max_model_len: int, vocab_size: int, tokenizer: Tokenizer) -> None:
+    def __init__(self, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
+                 root: str = "") -> None:
+        self.root = root  # the checkpoint (GET /v1/models)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
@@ -57,7 +60,29 @@ class PromptParser:
                                      "messages" if chat else "prompt")
         return prompt_ids, to_sampling_params(req, max_tokens, self.vocab_size)
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """``POST /tokenize``: the ids a completion or chat request with this prompt would
+        run (same template, same limits), without running it."""
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "send exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            return await self._chat_prompt(req, req.add_generation_prompt)
+        self._check_chars(len(req.prompt), "prompt")
+        return await _off_loop(len(req.prompt), self.tokenizer.encode, req.prompt,
+                               req.add_special_tokens)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens: token id {bad[0]} is not in the vocabulary "
+                           f"[0, {self.vocab_size})", param="tokens")
+        if len(ids) > self.max_model_len:
+            raise ApiError(400, f"tokens: {len(ids)} ids, more than the model's context of "
+                           f"{self.max_model_len}", param="tokens")
+        return await _off_loop(len(ids) * 4, self.tokenizer.decode, ids, False)
+
+    async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
+                           add_generation_prompt: bool = True) -> list[int]:
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
         if len(req.messages) > self.max_model_len:  # no template renders a turn in no token
@@ -68,7 +93,8 @@ class PromptParser:
         chars = sum(len(m["content"]) + len(m["role"]) + CHARS_PER_TURN for m in messages)
         self._check_chars(chars, "messages")
         try:
-            prompt = await _off_loop(chars, self.tokenizer.apply_chat_template, messages)
+            prompt = await _off_loop(chars, self.tokenizer.apply_chat_template, messages,
+                                     add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         self._check_chars(len(prompt), "messages")

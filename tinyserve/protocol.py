@@ -94,13 +94,18 @@ class CompletionRequest(_Common, kw_only=True):
     echo: bool = False
 
 
+# What each API request's struct honours; the rest is checked by tinyserve.api_fields.
+_API_FIELDS = {k: frozenset(k.__struct_fields__)
+               for k in (ChatCompletionRequest, CompletionRequest)}
+_API_FIELD_TABLES = {ChatCompletionRequest: "CHAT", CompletionRequest: "COMPLETION"}
+
 _PARAM_RE = re.compile(r"at `\$\.([A-Za-z_]+)|missing required field `([A-Za-z_]+)`")
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
     """JSON body -> request struct; raises ApiError(400) naming the bad field."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         m = _PARAM_RE.search(str(e))
         param = (m.group(1) or m.group(2)) if m else None
@@ -109,6 +114,15 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"Invalid JSON body: {e}") from None
     except RecursionError:  # msgspec's guard against deep nesting
         raise ApiError(400, "Invalid JSON body: nested too deeply") from None
+    fields = _API_FIELDS.get(kind)
+    if fields is not None:
+        from tinyserve import api_fields
+
+        api_fields.check(body, fields, getattr(api_fields, _API_FIELD_TABLES[kind]))
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options")
+    return req
 
 
 def message_text(msg: ChatMessage) -> str:
@@ -255,11 +269,43 @@ class CompletionResponse(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """One entry of ``GET /v1/models``, with vLLM's extra fields (benchmark clients read
+    ``max_model_len`` and ``root``)."""
+
     id: str
     max_model_len: int
+    root: str = ""  # the checkpoint it serves (for a --route alias: the alias)
+    parent: str | None = None
     created: int = msgspec.field(default_factory=now)
     object: Literal["model"] = "model"
     owned_by: str = "tinyserve"
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /tokenize``: a completion ``prompt`` or chat ``messages``."""
+
+    model: str | None = None  # default: the first served model
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only (chat prompts come from the template)
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 class RouteUpdate(msgspec.Struct, forbid_unknown_fields=True):

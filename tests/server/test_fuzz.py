@@ -129,7 +129,7 @@ def _completion(draw) -> dict:
         "max_tokens": st.none() | st.integers(1, 20),  # absent: 16
         "logprobs": st.none() | st.integers(0, 20),
         "echo": st.just(False)})))
-    return body
+    return _stream_options_need_stream(body)
 
 
 _part = st.fixed_dictionaries({"type": st.just("text")}, optional={"text": st.none() | st.text(max_size=4)})
@@ -149,6 +149,13 @@ def _chat(draw) -> dict:
         body["logprobs"] = logprobs = draw(st.booleans())
         if draw(st.booleans()):
             body["top_logprobs"] = draw(st.integers(0, 20) if logprobs else st.just(0))
+    return _stream_options_need_stream(body)
+
+
+def _stream_options_need_stream(body: dict) -> dict:
+    """Valid bodies carry stream_options only with stream: true (OpenAI's rule)."""
+    if body.get("stream") is not True:
+        body.pop("stream_options", None)
     return body
 
 
@@ -182,6 +189,11 @@ def _bad_message(body: dict, bad) -> None:
     body["messages"] = messages[:at] + [message] + messages[at:]
 
 
+def _options_without_stream(body: dict, options) -> None:
+    body["stream"] = False
+    body["stream_options"] = options
+
+
 def _delete(field: str):
     def drop(body: dict, _) -> None:
         body.pop(field, None)
@@ -209,6 +221,7 @@ _bad_common = [
     (_not_bool, _set("stream")),
     (_json.filter(lambda v: v is not None and not isinstance(v, dict))
      | st.fixed_dictionaries({"include_usage": _not_bool}), _set("stream_options")),
+    (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}), _options_without_stream),
     (_not_bool, _set("ignore_eos")),
     (_json.filter(lambda v: v is not None and not isinstance(v, str)), _set("user")),
     (_surrogates, _set("user")),

@@ -53,9 +53,13 @@ from tinyserve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     RouteUpdate,
+    TokenizeRequest,
+    TokenizeResponse,
     decode_request,
 )
 from tinyserve.responses import ChatShaper, CompletionShaper
@@ -125,6 +129,9 @@ class Ingress:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
@@ -234,10 +241,55 @@ class Ingress:
         """The served models, then the --route aliases (each as long as its shortest target)."""
         self._auth(request)
         b = self._backend()
-        cards = [ModelCard(name, p.max_model_len) for name, p in b.parsers.items()]
+        return _json(ModelList(self._cards(b)))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``)."""
+        self._auth(request)
+        wanted = request.match_info["model_id"]
+        for card in self._cards(self._backend()):
+            if card.id == wanted:
+                return _json(card)
+        raise ApiError(404, f"The model `{wanted}` does not exist.", param="model",
+                       code="model_not_found")
+
+    @staticmethod
+    def _cards(b: Backend) -> list[ModelCard]:
+        cards = [ModelCard(name, p.max_model_len, p.root) for name, p in b.parsers.items()]
         for alias, weights in b.router.routes.items():
-            cards.append(ModelCard(alias, min(b.parsers[n].max_model_len for n, _ in weights)))
-        return _json(ModelList(cards))
+            cards.append(ModelCard(alias, min(b.parsers[n].max_model_len for n, _ in weights),
+                                   alias))
+        return cards
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``."""
+        tenant = self._auth(request)
+        b = self._backend()
+        async with self._parsing:
+            req = decode_request(await self._body(request), TokenizeRequest)
+            parser = self._parser_for(b, req.model, tenant)
+            ids = await parser.tokenize(req)
+        strs = [parser.tokenizer.token_text(i) for i in ids] if req.return_token_strs else None
+        return _json(TokenizeResponse(len(ids), parser.max_model_len, ids, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /detokenize``."""
+        tenant = self._auth(request)
+        b = self._backend()
+        async with self._parsing:
+            req = decode_request(await self._body(request), DetokenizeRequest)
+            parser = self._parser_for(b, req.model, tenant)
+            return _json(DetokenizeResponse(await parser.detokenize(req.tokens)))
+
+    @staticmethod
+    def _parser_for(b: Backend, model: str | None, tenant: TenantConfig) -> PromptParser:
+        if model is None:
+            return next(iter(b.parsers.values()))
+        name = b.router.resolve(model, tenant.name, set())
+        if name is None:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+        return b.parsers[name]
 
     # -- routes (admin) ----------------------------------------------------------------------------
     async def get_routes(self, request: web.Request) -> web.Response:

@@ -1,0 +1,149 @@
+"""OpenAI / vLLM API parity on a real server: fields defined elsewhere are honoured or
+refused by name (never silently ignored), model retrieval, vLLM's tokenize endpoints."""
+
+import logging
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.server.conftest import get
+from tests.server.helpers import MODEL, chat, completion, post, run
+from tinyserve import api_fields
+from tinyserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, decode_request
+
+
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": -100}),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function",
+     "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
+    ("repetition_penalty", 1.2), ("min_tokens", 3), ("stop_token_ids", [2]),
+    ("guided_choice", ["a", "b"]), ("echo", True), ("use_beam_search", True),
+    ("skip_special_tokens", False), ("prompt_logprobs", 1), ("min_p", 0.1),
+])
+def test_defined_but_unhonoured_fields_are_refused_by_name(server, field, value):
+    status, body, _ = run(post(server.url, "/v1/chat/completions", {**chat("Hi"), field: value}))
+    assert status == 400, body
+    assert body["error"]["param"] == field and body["error"]["code"] == "unsupported_parameter"
+
+
+def test_completions_refuse_their_own_unhonoured_fields(server):
+    for field, value in (("suffix", "The end."), ("best_of", 3), ("echo", True),
+                         ("logit_bias", {"1": 5})):
+        status, body, _ = run(post(server.url, "/v1/completions",
+                                   {**completion("Once"), field: value}))
+        assert status == 400 and body["error"]["param"] == field, body
+
+
+def test_neutral_values_of_those_fields_are_accepted(server):
+    # What SDKs and benchmark clients send by default asks for nothing: answered as usual.
+    body = {**chat("Hi"), "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "tools": [], "tool_choice": "auto", "response_format": {"type": "text"},
+            "repetition_penalty": 1.0, "min_tokens": 0, "skip_special_tokens": True,
+            "store": False, "metadata": {"k": "v"}, "parallel_tool_calls": True,
+            "echo": False, "add_generation_prompt": True}
+    status, out, _ = run(post(server.url, "/v1/chat/completions", body))
+    assert status == 200, out
+    r = client(server).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,
+                                          temperature=0, presence_penalty=0, best_of=1,
+                                          logit_bias={})
+    assert r.choices[0].text == ", there was a"
+
+
+def test_fields_nobody_defines_are_ignored_and_logged_once(server, caplog):
+    status, out, _ = run(post(server.url, "/v1/completions",
+                              {**completion("Once"), "x_my_tracing_tag": "abc"}))
+    assert status == 200, out
+    with caplog.at_level(logging.INFO, logger="tinyserve.api_fields"):
+        api_fields._seen_unknown.discard("zz_unknown")
+        for _ in range(3):
+            decode_request(b'{"model": "m", "prompt": "x", "zz_unknown": 1}', CompletionRequest)
+    assert sum("zz_unknown" in r.message for r in caplog.records) == 1
+
+
+def test_the_seen_set_is_bounded():
+    before = set(api_fields._seen_unknown)
+    try:
+        for i in range(api_fields._SEEN_LIMIT + 50):
+            decode_request(b'{"model": "m", "prompt": "x", "k%d": 1}' % i, CompletionRequest)
+        assert len(api_fields._seen_unknown) <= api_fields._SEEN_LIMIT
+    finally:
+        api_fields._seen_unknown.clear()
+        api_fields._seen_unknown.update(before)
+
+
+def test_stream_options_need_stream():
+    with pytest.raises(ApiError) as e:
+        decode_request(b'{"model": "m", "messages": [], "stream_options": {"include_usage": true}}',
+                       ChatCompletionRequest)
+    assert e.value.param == "stream_options"
+    decode_request(b'{"model": "m", "messages": [], "stream": true, '
+                   b'"stream_options": {"include_usage": true}}', ChatCompletionRequest)
+
+
+def test_field_check_is_type_strict():
+    # false is not 0 and "0" is not 0: a client sending them asked for something odd.
+    for bad in (b'"presence_penalty": false', b'"presence_penalty": "0"',
+                b'"echo": 0', b'"tools": {"a": 1}'):
+        with pytest.raises(ApiError):
+            decode_request(b'{"model": "m", "messages": [], ' + bad + b"}",
+                           ChatCompletionRequest)
+
+
+def test_models_carry_vllm_fields_and_retrieve_works(server):
+    c = client(server)
+    card = c.models.list().data[0]
+    assert card.id == MODEL and card.max_model_len == 512 and card.root
+    got = c.models.retrieve(MODEL)
+    assert got.id == MODEL and got.max_model_len == 512
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    assert get(server.url + "/v1/models/" + MODEL)[0] == 200
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    status, out, _ = run(post(server.url, "/tokenize", {"model": MODEL,
+                                                         "prompt": "Once upon a time"}))
+    assert status == 200, out
+    assert out["count"] == 5 == len(out["tokens"]) and out["max_model_len"] == 512
+    # The completion of the same prompt reports the same count.
+    r = client(server).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1)
+    assert r.usage.prompt_tokens == out["count"]
+    status, text, _ = run(post(server.url, "/detokenize", {"model": MODEL,
+                                                            "tokens": out["tokens"][1:]}))
+    assert status == 200 and text["prompt"] == "Once upon a time", text
+    status, out2, _ = run(post(server.url, "/tokenize", {"prompt": "Once upon a time",
+                                                          "add_special_tokens": False,
+                                                          "return_token_strs": True}))
+    assert out2["tokens"] == out["tokens"][1:] and len(out2["token_strs"]) == 4
+
+
+def test_tokenize_chat_matches_the_chat_prompt(server):
+    msgs = [{"role": "user", "content": "Hi there"}]
+    status, out, _ = run(post(server.url, "/tokenize", {"model": MODEL, "messages": msgs}))
+    assert status == 200, out
+    r = client(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert r.usage.prompt_tokens == out["count"]
+    _, without, _ = run(post(server.url, "/tokenize", {"model": MODEL, "messages": msgs,
+                                                        "add_generation_prompt": False}))
+    assert without["count"] < out["count"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"model": MODEL}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {"model": "nope", "prompt": "a"}, "model"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1] * 600}, "tokens"),
+])
+def test_tokenize_errors(server, path, body, param):
+    status, out, _ = run(post(server.url, path, body))
+    assert status in (400, 404), out
+    assert out["error"]["param"] == param, out
