@@ -46,19 +46,24 @@ class PromptParser:
         self.max_chars = max_model_len * tokenizer.max_token_chars
 
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest
-                      ) -> tuple[list[int], SamplingParams]:
-        """A decoded request (``protocol.decode_request``) routed to this model -> its prompt
-        token ids and sampling parameters."""
+                      ) -> tuple[list[list[int]], SamplingParams]:
+        """A decoded request (``protocol.decode_request``) routed to this model -> the token
+        ids of its prompts (one, or a completions request's batch) and sampling parameters
+        (max_tokens fits the longest prompt; without one, chat gets the rest of the context
+        of the longest prompt)."""
         chat = isinstance(req, ChatCompletionRequest)
-        prompt_ids = await (self._chat_prompt(req) if chat else self._completion_prompt(req))
+        if chat:
+            prompts = [await self._chat_prompt(req)]
+        else:
+            prompts = [await self._completion_prompt(p) for p in _batch(req.prompt)]
         if chat and req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
         else:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
             requested, param = (16 if req.max_tokens is None and not chat else req.max_tokens,
                                 "max_tokens")
-        max_tokens = self.max_tokens(requested, len(prompt_ids), param,
-                                     "messages" if chat else "prompt")
-        return prompt_ids, to_sampling_params(req, max_tokens, self.vocab_size)
+        longest = max(len(p) for p in prompts)
+        max_tokens = self.max_tokens(requested, longest, param, "messages" if chat else "prompt")
+        return prompts, to_sampling_params(req, max_tokens, self.vocab_size)
 
     async def tokenize(self, req: TokenizeRequest) -> list[int]:
         """``POST /tokenize``: the ids a completion or chat request with this prompt would
@@ -100,13 +105,7 @@ class PromptParser:
         self._check_chars(len(prompt), "messages")
         return await _off_loop(len(prompt), self.tokenizer.encode, prompt, False)
 
-    async def _completion_prompt(self, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: batched prompts are not supported; send one "
-                               "request per prompt", param="prompt")
-            prompt = prompt[0]
+    async def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt must not be empty", param="prompt")
@@ -149,6 +148,24 @@ class PromptParser:
                            f"({prompt_len} in the prompt, {requested} in the completion).",
                            param=param, code="context_length_exceeded")
         return requested
+
+
+MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each is a request to admission)
+
+
+def _batch(prompt: Any) -> list[Any]:
+    """A completions ``prompt`` -> its prompts: a string, a list of token ids, or a list of
+    either (OpenAI's batch: one choice per prompt)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise ApiError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, "
+                           f"got {len(prompt)}", param="prompt")
+        for p in prompt:
+            if not isinstance(p, (str, list)):
+                raise ApiError(400, "prompt: a batch is a list of strings or of token-id "
+                               "lists", param="prompt")
+        return prompt
+    return [prompt]
 
 
 async def _off_loop(size: int, fn: Callable, *args: Any) -> Any:

@@ -41,6 +41,15 @@ def usage(out: Output) -> Usage:
                  out.prompt_tokens + out.completion_tokens, details)
 
 
+def total_usage(finals: Sequence[Output]) -> Usage:
+    """One usage for several prompts' final outputs (a batched completions request)."""
+    prompt = sum(o.prompt_tokens for o in finals)
+    completion = sum(o.completion_tokens for o in finals)
+    cached = sum(o.cached_tokens for o in finals)
+    return Usage(prompt, completion, prompt + completion,
+                 {"cached_tokens": cached} if cached else None)
+
+
 class Shaper(abc.ABC):
     def __init__(self, req: ChatCompletionRequest | CompletionRequest, model: str,
                  tokenizer: Tokenizer, want_logprobs: bool) -> None:
@@ -54,36 +63,45 @@ class Shaper(abc.ABC):
         return []
 
     @abc.abstractmethod
-    def chunks(self, out: Output) -> list[msgspec.Struct]: ...
+    def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]: ...
 
     @abc.abstractmethod
     def body(self, outs: Sequence[Output]) -> msgspec.Struct: ...
 
 
 class CompletionShaper(Shaper):
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, choices: int = 1) -> None:
         super().__init__(*args)
         self.id = new_id("cmpl")
-        self._offset = 0  # text_offset of the next streamed token
+        self.n = choices  # one per prompt of a batched request
+        self._offsets = [0] * choices  # text_offset of each choice's next streamed token
+        self._finals: dict[int, Output] = {}
 
     def _response(self, choices: list[CompletionChoice], use: Usage | None = None
                   ) -> CompletionResponse:
         return CompletionResponse(self.id, self.model, choices, self.created, use)
 
-    def chunks(self, out: Output) -> list[msgspec.Struct]:
-        lp = self._logprobs(out.tokens, self._offset) if self.want_logprobs else None
-        self._offset += len(out.text)
-        got = [self._response([CompletionChoice(0, out.text, out.finish_reason, lp)])]
-        if out.finish_reason is not None and self.include_usage:
-            got.append(self._response([], usage(out)))
+    def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
+        lp = self._logprobs(out.tokens, self._offsets[index]) if self.want_logprobs else None
+        self._offsets[index] += len(out.text)
+        got = [self._response([CompletionChoice(index, out.text, out.finish_reason, lp)])]
+        if out.finish_reason is not None:
+            self._finals[index] = out
+            if self.include_usage and len(self._finals) == self.n:  # after the last choice
+                got.append(self._response([], total_usage(list(self._finals.values()))))
         return got
 
     def body(self, outs: Sequence[Output]) -> CompletionResponse:
-        tokens = [t for o in outs for t in o.tokens]
-        lp = self._logprobs(tokens, 0) if self.want_logprobs else None
-        last = outs[-1]
-        return self._response([CompletionChoice(0, "".join(o.text for o in outs),
-                                                last.finish_reason, lp)], usage(last))
+        return self.body_many([outs])
+
+    def body_many(self, per_choice: Sequence[Sequence[Output]]) -> CompletionResponse:
+        choices = []
+        for i, outs in enumerate(per_choice):
+            tokens = [t for o in outs for t in o.tokens]
+            lp = self._logprobs(tokens, 0) if self.want_logprobs else None
+            choices.append(CompletionChoice(i, "".join(o.text for o in outs),
+                                            outs[-1].finish_reason, lp))
+        return self._response(choices, total_usage([outs[-1] for outs in per_choice]))
 
     def _logprobs(self, tokens: Sequence[TokenInfo], offset: int) -> CompletionLogprobs:
         strs, offsets = [], []
@@ -94,8 +112,14 @@ class CompletionShaper(Shaper):
             offset += len(s)
         return CompletionLogprobs(
             tokens=strs, token_logprobs=[t.logprob for t in tokens],
-            top_logprobs=[{self.tok.token_text(i): lp for i, lp in t.top} for t in tokens],
-            text_offset=offsets)
+            top_logprobs=[self._top(t, s) for t, s in zip(tokens, strs)], text_offset=offsets)
+
+    def _top(self, t: TokenInfo, text: str) -> dict[str, float]:
+        """The N most likely tokens, and the sampled one whether or not it is among them
+        (vLLM's completions: so ``logprobs=0`` still names the sampled token)."""
+        top = {self.tok.token_text(i): lp for i, lp in t.top}
+        top.setdefault(text, t.logprob)
+        return top
 
 
 class ChatShaper(Shaper):
@@ -110,7 +134,7 @@ class ChatShaper(Shaper):
     def opening(self) -> list[msgspec.Struct]:
         return [self._chunk([ChatChunkChoice(0, Delta(role="assistant", content=""))])]
 
-    def chunks(self, out: Output) -> list[msgspec.Struct]:
+    def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
         got = []
         lp = self._logprobs(out.tokens) if self.want_logprobs else None
         if out.text or lp is not None:

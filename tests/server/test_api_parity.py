@@ -147,3 +147,52 @@ def test_tokenize_errors(server, path, body, param):
     status, out, _ = run(post(server.url, path, body))
     assert status in (400, 404), out
     assert out["error"]["param"] == param, out
+
+
+PROMPTS8 = ["Once upon a time", "The dog", "Lily wanted", "One day, Tom", "The sun was",
+            "She had a big", "They went to the", "Ben and Mia"]
+
+
+def test_a_batch_of_prompts_answers_each_as_if_alone(server):
+    c = client(server)
+    solo = [c.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+            for p in PROMPTS8]
+    batch = c.completions.create(model=MODEL, prompt=PROMPTS8, max_tokens=6, temperature=0)
+    assert [ch.index for ch in batch.choices] == list(range(8))
+    assert [ch.text for ch in batch.choices] == [s.choices[0].text for s in solo]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in solo)
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in solo)
+    # Token-id prompts too, and the stream: every choice's text, then one usage for all.
+    ids = [[1, 403, 407, 261, 378], [1, 334, 281]]
+    whole = c.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                 logprobs=1)
+    texts, usage_chunks = ["", ""], []
+    for chunk in c.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                      stream=True, stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+        if chunk.usage:
+            usage_chunks.append(chunk.usage)
+    assert texts == [ch.text for ch in whole.choices]
+    assert len(usage_chunks) == 1 and usage_chunks[0].total_tokens == whole.usage.total_tokens
+    assert all(len(ch.logprobs.tokens) == 5 for ch in whole.choices)
+
+
+def test_a_batch_is_refused_whole(server):
+    status, body, _ = run(post(server.url, "/v1/completions",
+                               completion(["Once", "x" * 5000], max_tokens=4)))
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    status, body, _ = run(post(server.url, "/v1/completions",
+                               completion(["Once"] * 65, max_tokens=1)))
+    assert status == 400 and "at most 64" in body["error"]["message"], body
+    status, body, _ = run(post(server.url, "/v1/completions",
+                               completion(["Once", 5], max_tokens=1)))
+    assert status == 400, body
+
+
+def test_logprobs_zero_names_the_sampled_token(server):
+    r = client(server).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3,
+                                          temperature=0, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+    assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs

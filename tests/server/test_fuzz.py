@@ -123,7 +123,8 @@ def _one_in(n: int) -> st.SearchStrategy[bool]:
 
 @st.composite
 def _completion(draw) -> dict:
-    prompt = draw(st.one_of(_short_text, _ids, _short_text.map(lambda s: [s]), _ids.map(lambda i: [i])))
+    prompt = draw(st.one_of(_short_text, _ids, _short_text.map(lambda s: [s]), _ids.map(lambda i: [i]),
+                            st.lists(_short_text | _ids, min_size=2, max_size=4)))  # a batch
     body = {"model": MODEL, "prompt": prompt, **draw(_common), **draw(_stream)}
     body.update(draw(st.fixed_dictionaries({}, optional={
         "max_tokens": st.none() | st.integers(1, 20),  # absent: 16
@@ -233,7 +234,8 @@ _bad = {
         (_repeat(1000, 20_000) | _surrogates, _set("prompt")),
         (st.builds(lambda n, k: [(7 * i + k) % VOCAB for i in range(n)], st.integers(MAX_LEN, 600),
                    st.integers(0, VOCAB - 1)), _set("prompt")),
-        (st.lists(_short_text | _ids, min_size=2, max_size=4), _set("prompt")),  # batched
+        (st.lists(_short_text | _ids, min_size=1, max_size=3).map(lambda b: [*b, 7]),
+         _set("prompt")),  # a batch with a bare number in it
         (st.integers(100, MAX_LEN - 1), _over_context),
         (_bad_max_tokens, _set("max_tokens")),
         (st.integers(min_value=21) | st.integers(max_value=-1) | st.booleans() | st.text(max_size=4),
@@ -432,29 +434,40 @@ def _max_tokens(body: dict, chat: bool) -> int:
     return MAX_LEN if chat else 16
 
 
+def _choices(body: dict) -> int:
+    """One choice per prompt of a batched completions request, else one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
 def _check_json(case: Case, data: bytes) -> None:
     chat = case.path == CHAT
     out = json.loads(data)
     assert out["object"] == ("chat.completion" if chat else "text_completion"), out
     assert out["model"] == MODEL and isinstance(out["id"], str) and out["id"]
-    [choice] = out["choices"]
-    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length"), choice
-    text = choice["message"]["content"] if chat else choice["text"]
-    assert isinstance(text, str)
+    n = _choices(case.body)
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == list(range(n)), choices
+    for choice in choices:
+        assert choice["finish_reason"] in ("stop", "length"), choice
+        assert isinstance(choice["message"]["content"] if chat else choice["text"], str)
     use = out["usage"]
-    assert use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] <= MAX_LEN, use
-    assert 1 <= use["completion_tokens"] <= _max_tokens(case.body, chat), (use, case.body)
+    assert use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] <= n * MAX_LEN, use
+    assert n <= use["completion_tokens"] <= n * _max_tokens(case.body, chat), (use, case.body)
     prompt = case.body.get("prompt")
-    if not chat and isinstance(prompt, list):
+    if not chat and isinstance(prompt, list) and n == 1:
         ids = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
         if all(type(t) is int for t in ids):  # token ids: the prompt is exactly these
             assert use["prompt_tokens"] == len(ids), use
+    choice = choices[0]
     if chat and case.body.get("logprobs") is True:
         entries = choice["logprobs"]["content"]
         assert len(entries) == use["completion_tokens"]
         assert all(len(e["top_logprobs"]) == (case.body.get("top_logprobs") or 0) for e in entries)
     elif not chat and case.body.get("logprobs") is not None:
-        assert len(choice["logprobs"]["tokens"]) == use["completion_tokens"]
+        assert sum(len(c["logprobs"]["tokens"]) for c in choices) == use["completion_tokens"]
 
 
 def _check_sse(case: Case, data: bytes) -> None:
@@ -469,10 +482,11 @@ def _check_sse(case: Case, data: bytes) -> None:
         assert isinstance(chunk["choices"], list), chunk
         finish += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
         usage += [chunk["usage"]] if chunk.get("usage") else []
-    assert finish in (["stop"], ["length"]), finish
+    n = _choices(case.body)
+    assert len(finish) == n and set(finish) <= {"stop", "length"}, finish
     if (case.body.get("stream_options") or {}).get("include_usage"):
         [use] = usage
-        assert use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] <= MAX_LEN, use
+        assert use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] <= n * MAX_LEN, use
     else:
         assert usage == [], usage
 

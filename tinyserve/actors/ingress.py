@@ -339,7 +339,11 @@ class Ingress:
                 raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
                                code="model_not_found")
             parser = b.parsers[model]
-            prompt_ids, params = await parser.prepare(req)
+            prompts, params = await parser.prepare(req)
+        if len(prompts) > 1:
+            return await self._generate_batch(request, req, b, parser, prompts, params, tenant,
+                                              model)
+        prompt_ids = prompts[0]
         call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name,
                      access=access)
         if access is not None:
@@ -352,7 +356,8 @@ class Ingress:
             shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
                 req, answering, parser.tokenizer, params.logprobs is not None)
             if req.stream:
-                return await self._stream(request, call, shaper)
+                return await self._stream(request, _indexed(self._outputs(call)), shaper,
+                                          answering, call.access)
             outs = []
             async with contextlib.aclosing(self._outputs(call)) as outputs:
                 async for batch in outputs:
@@ -370,6 +375,74 @@ class Ingress:
                 self._abort(b, call)
             if call.accepted:
                 b.admission.release(call.rid, call.generated)
+
+    async def _generate_batch(self, request: web.Request, req: CompletionRequest, b: Backend,
+                              parser: PromptParser, prompts: list[list[int]],
+                              params: SamplingParams, tenant: TenantConfig, model: str
+                              ) -> web.StreamResponse:
+        """A completions request with several prompts: one request each, submitted together
+        (so they batch), answered as one response with a choice per prompt. If any is
+        refused, the others are aborted and the whole request gets that error."""
+        access = request.get(ACCESS)
+        calls = [_Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8),
+                       tenant.name) for _ in prompts]
+        if access is not None:
+            access.id, access.model, access.stream = calls[0].rid, model, req.stream
+            access.prompt_tokens = sum(len(p) for p in prompts)
+        for call in calls:
+            self._live[call.rid] = call
+        try:
+            for call, ids in zip(calls, prompts):
+                await self._submit(b, call, ids, params, tenant, model)
+            answering = calls[0].lane.name
+            shaper = CompletionShaper(req, answering, parser.tokenizer,
+                                      params.logprobs is not None, choices=len(calls))
+            if req.stream:
+                return await self._stream(request, self._merged(calls), shaper, answering,
+                                          access)
+            per_choice: list[list[Output]] = [[] for _ in calls]
+            async with contextlib.aclosing(self._merged(calls)) as outputs:
+                async for batch in outputs:
+                    for i, out in batch:
+                        per_choice[i].append(out)
+            body = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: msgspec.json.encode(shaper.body_many(per_choice)))
+            return web.Response(body=body, content_type="application/json",
+                                headers={"X-Tinyserve-Model": answering})
+        finally:
+            if access is not None:
+                access.completion_tokens = sum(c.generated for c in calls)
+            for call in calls:
+                del self._live[call.rid]
+                if not call.done:
+                    self._abort(b, call)
+                if call.accepted:
+                    b.admission.release(call.rid, call.generated)
+
+    async def _merged(self, calls: list[_Call]) -> AsyncIterator[list[tuple[int, Output]]]:
+        """Several calls' outputs as they come, tagged with the call's index."""
+        iters = [self._outputs(c) for c in calls]
+        pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iters)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                got = []
+                for fut in done:
+                    i = pending.pop(fut)
+                    try:
+                        outs = fut.result()
+                    except StopAsyncIteration:
+                        continue
+                    got.extend((i, out) for out in outs)
+                    pending[asyncio.ensure_future(anext(iters[i]))] = i
+                if got:
+                    yield got
+        finally:
+            for fut in pending:
+                fut.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for it in iters:
+                await it.aclose()
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
                       params: SamplingParams, tenant: TenantConfig, model: str) -> None:
@@ -420,11 +493,13 @@ class Ingress:
                     return
             yield outs
 
-    async def _stream(self, request: web.Request, call: _Call,
-                      shaper: ChatShaper | CompletionShaper) -> web.StreamResponse:
+    async def _stream(self, request: web.Request,
+                      outputs: AsyncIterator[list[tuple[int, Output]]],
+                      shaper: ChatShaper | CompletionShaper, answering: str,
+                      access: access_log.AccessInfo | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": request[CLIENT_ID], "X-Tinyserve-Model": call.lane.name})
+            "X-Request-Id": request[CLIENT_ID], "X-Tinyserve-Model": answering})
         await resp.prepare(request)
         transport = request.transport
 
@@ -448,13 +523,13 @@ class Ingress:
 
         await send(shaper.opening())
         try:
-            async with contextlib.aclosing(self._outputs(call)) as outputs:
+            async with contextlib.aclosing(outputs):
                 async for outs in outputs:
-                    await send([chunk for out in outs for chunk in shaper.chunks(out)])
+                    await send([chunk for i, out in outs for chunk in shaper.chunks(out, i)])
         except ApiError as e:  # headers are sent: the error becomes the last event
             self._count_error(e)
-            if call.access is not None:
-                call.access.stream_error = e.status
+            if access is not None:
+                access.stream_error = e.status
             await resp.write(b"data: " + e.body() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -549,3 +624,10 @@ class Ingress:
         if self.backend is None:
             raise ApiError(503, "the model is still loading", retry_after=5.0)
         return self.backend
+
+
+async def _indexed(outputs: AsyncIterator[list[Output]]) -> AsyncIterator[list[tuple[int, Output]]]:
+    """One call's outputs as choice 0."""
+    async with contextlib.aclosing(outputs):
+        async for outs in outputs:
+            yield [(0, out) for out in outs]
