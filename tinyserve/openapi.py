@@ -16,13 +16,19 @@ from tinyserve.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     RouteUpdate,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 
 _TYPES = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CompletionRequest,
-          CompletionResponse, ModelList, ErrorResponse, RouteUpdate)
+          CompletionResponse, ModelList, ModelCard, ErrorResponse, RouteUpdate, TokenizeRequest,
+          TokenizeResponse, DetokenizeRequest, DetokenizeResponse)
 
 
 def _ref(t: type) -> dict[str, str]:
@@ -46,6 +52,14 @@ def _generate(request: type, response: type, chunk: type, summary: str) -> dict[
             **_errors(400, 401, 404, 413, 429, 500, 503)}}}
 
 
+def _post(request: type, response: type, summary: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "ok", "content": {
+            "application/json": {"schema": _ref(response)}}}, **_errors(400, 401, 404, 413)}}}
+
+
 def openapi_spec(version: str) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
         _TYPES, ref_template="#/components/schemas/{name}")
@@ -61,6 +75,15 @@ def openapi_spec(version: str) -> dict[str, Any]:
                                               ChatCompletionChunk, "Create a chat completion"),
             "/v1/models": {"get": {"responses": {"200": {"description": "the served models",
                 "content": {"application/json": {"schema": _ref(ModelList)}}}, **_errors(401)}}},
+            "/v1/models/{model_id}": {"get": {
+                "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "one served model or route", "content": {
+                    "application/json": {"schema": _ref(ModelCard)}}}, **_errors(401, 404)}}},
+            "/tokenize": _post(TokenizeRequest, TokenizeResponse,
+                               "Token ids of a prompt or chat (vLLM)"),
+            "/detokenize": _post(DetokenizeRequest, DetokenizeResponse,
+                                 "Text of token ids (vLLM)"),
             "/admin/routes": {
                 "get": {"summary": "The route table (admin tenants)", "responses": {
                     "200": {"description": "routes and fallbacks"}, **_errors(401, 403)}},

@@ -196,3 +196,21 @@ def test_logprobs_zero_names_the_sampled_token(server):
     lp = r.choices[0].logprobs
     assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
     assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
+
+
+def test_openapi_names_every_api_route():
+    import re
+
+    from tinyserve.actors.ingress import Ingress
+    from tinyserve.config import ServerConfig
+    from tinyserve.openapi import openapi_spec
+
+    app = Ingress(ServerConfig()).app()
+    routes = {(r.method.lower(), re.sub(r"\{(\w+):[^}]*\}", r"{\1}", r.resource.canonical))
+              for r in app.router.routes() if r.method != "HEAD"}
+    paths = openapi_spec("x")["paths"]
+    described = {(m, p) for p, ops in paths.items() for m in ops}
+    undocumented = {(m, p) for m, p in routes - described
+                    if p not in ("/metrics", "/openapi.json")}
+    assert not undocumented, undocumented
+    assert ("get", "/v1/models/{model_id}") in described and ("post", "/tokenize") in described
