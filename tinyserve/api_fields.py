@@ -63,9 +63,9 @@ _SHARED: dict[str, Callable[[Any], bool]] = {
     "metadata": _anything, "prompt_cache_key": _anything, "safety_identifier": _anything,
     # vLLM sampling extensions
     "repetition_penalty": _number(1), "min_tokens": _number(0), "min_p": _number(0),
-    "stop_token_ids": _empty, "bad_words": _empty, "allowed_token_ids": _none,
+    "bad_words": _empty, "allowed_token_ids": _none,
     "use_beam_search": _is(False), "length_penalty": _number(1),
-    "include_stop_str_in_output": _is(False), "skip_special_tokens": _is(True),
+    "include_stop_str_in_output": _is(False),
     "spaces_between_special_tokens": _is(True), "prompt_logprobs": _none,
     "truncate_prompt_tokens": _none, "return_tokens_as_token_ids": _is(False),
     "return_token_ids": _is(False), "logits_processors": _empty, "priority": _number(0),

@@ -79,6 +79,8 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension (vLLM): for benchmarks
+    stop_token_ids: list[int] | None = None  # extension (vLLM): stop on these tokens
+    skip_special_tokens: bool = True  # extension (vLLM): special tokens out of the text
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -145,6 +147,9 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_token
                        f"{vocab_size}, got {req.top_k}", param="top_k")
     if req.n != 1:
         raise ApiError(400, "n: only n=1 is supported", param="n")
+    if req.stop_token_ids and not all(0 <= t < vocab_size for t in req.stop_token_ids):
+        raise ApiError(400, f"stop_token_ids must be token ids in the vocabulary "
+                       f"[0, {vocab_size})", param="stop_token_ids")
     if isinstance(req, ChatCompletionRequest):
         logprobs = None
         if req.logprobs:
@@ -163,7 +168,9 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_token
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
-            seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos)
+            seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), param=field) from None

@@ -21,9 +21,9 @@ def client(server) -> OpenAI:
     ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": -100}),
     ("response_format", {"type": "json_object"}), ("tools", [{"type": "function",
      "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
-    ("repetition_penalty", 1.2), ("min_tokens", 3), ("stop_token_ids", [2]),
+    ("repetition_penalty", 1.2), ("min_tokens", 3), ("bad_words", ["dog"]),
     ("guided_choice", ["a", "b"]), ("echo", True), ("use_beam_search", True),
-    ("skip_special_tokens", False), ("prompt_logprobs", 1), ("min_p", 0.1),
+    ("include_stop_str_in_output", True), ("prompt_logprobs", 1), ("min_p", 0.1),
 ])
 def test_defined_but_unhonoured_fields_are_refused_by_name(server, field, value):
     status, body, _ = run(post(server.url, "/v1/chat/completions", {**chat("Hi"), field: value}))
@@ -214,3 +214,30 @@ def test_openapi_names_every_api_route():
                     if p not in ("/metrics", "/openapi.json")}
     assert not undocumented, undocumented
     assert ("get", "/v1/models/{model_id}") in described and ("post", "/tokenize") in described
+
+
+def test_stop_token_ids_end_the_text_without_their_own(server):
+    # Greedy: ", there was a little girl named Lily"; stop on " was".
+    _, tok, _ = run(post(server.url, "/tokenize", {"prompt": "Once upon a time, there was",
+                                                    "return_token_strs": True}))
+    was = tok["tokens"][-1]
+    assert tok["token_strs"][-1] == " was"
+    r = client(server).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
+                                          temperature=0, extra_body={"stop_token_ids": [was]})
+    assert r.choices[0].text == ", there" and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 3  # the stop token counts, as in vLLM
+    status, body, _ = run(post(server.url, "/v1/completions",
+                               {**completion("Once"), "stop_token_ids": [512]}))
+    assert status == 400 and body["error"]["param"] == "stop_token_ids", body
+    status, body, _ = run(post(server.url, "/v1/completions",
+                               {**completion("Once"), "stop_token_ids": list(range(17))}))
+    assert status == 400 and body["error"]["param"] == "stop_token_ids", body
+
+
+def test_skip_special_tokens_reaches_the_engine():
+    from tinyserve.protocol import to_sampling_params
+
+    req = decode_request(b'{"model": "m", "prompt": "x", "skip_special_tokens": false, '
+                         b'"stop_token_ids": [3, 4]}', CompletionRequest)
+    params = to_sampling_params(req, 4, 512)
+    assert params.skip_special_tokens is False and params.stop_token_ids == (3, 4)

@@ -89,6 +89,10 @@ class EngineCore:
         self.requests[request_id] = req
         return req
 
+    def _stop_token(self, seq: Sequence) -> bool:
+        last, p = seq.token_ids[-1], seq.params
+        return last in p.stop_token_ids or (not p.ignore_eos and last in self.cfg.eos_token_ids)
+
     def release(self, request_id: int) -> Request | None:
         """Forget a request; one still unfinished is aborted (its blocks are freed at once)."""
         req = self.requests.pop(request_id, None)
@@ -109,7 +113,10 @@ class EngineCore:
         updated = []
         for seq in self.scheduler.update(plan, result):
             req = self.requests[seq.seq_id]
-            if seq.finish_reason != "error":
+            # A stop token (EOS, stop_token_ids) ends the text without appearing in it, as
+            # in vLLM; it still counts as a completion token.
+            if seq.finish_reason != "error" and not (seq.finish_reason == "stop"
+                                                     and self._stop_token(seq)):
                 req.detok.add(seq.token_ids[-1])
                 if req.detok.stopped and not seq.is_finished:
                     self.scheduler.finish(seq, "stop")
