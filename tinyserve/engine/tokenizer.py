@@ -42,6 +42,10 @@ class Tokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
+        # What transformers hands a chat template: the special tokens that are set.
+        self.special_tokens = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token",
+                                              "sep_token", "cls_token", "mask_token")
+                               if (v := _token_str(cfg.get(k))) is not None}
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_ids: frozenset[int] = frozenset([eos] if eos is not None else [])
@@ -105,26 +109,53 @@ class Tokenizer:
         return list(self.token_text(token_id).encode("utf-8"))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's jinja2 chat template (or the documented fallback)."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None,
+                            documents: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str:
+        """Render messages with the model's jinja2 chat template (or the documented fallback),
+        exactly as transformers' ``apply_chat_template`` does: the same sandbox, loop
+        controls, ``tojson``, ``raise_exception``, ``strftime_now``, ``tools``, ``documents``
+        and special-token variables."""
         if self._compiled_template is None:
-            import jinja2
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(msg: str) -> None:
-                raise ValueError(msg)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                undefined=jinja2.StrictUndefined)
-            env.globals["raise_exception"] = raise_exception
-            source = self.chat_template or FALLBACK_CHAT_TEMPLATE
-            self._compiled_template = env.from_string(source)
+            self._compiled_template = compile_chat_template(
+                self.chat_template or FALLBACK_CHAT_TEMPLATE)
         try:
             return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                messages=messages, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **self.special_tokens,
+                **template_kwargs)
         except Exception as e:  # template errors are the request's problem, not the server's
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+
+def compile_chat_template(source: str):
+    """A chat template compiled in transformers' environment (chat_template_utils): jinja2's
+    immutable sandbox with trim_blocks and lstrip_blocks, loop controls, a ``tojson`` that
+    does not HTML-escape, ``raise_exception`` and ``strftime_now``."""
+    import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
 
 
 class _StopMatcher:
