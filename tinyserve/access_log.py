@@ -30,7 +30,7 @@ import msgspec
 
 log = logging.getLogger("tinyserve.access")
 server_log = logging.getLogger(__name__)
-LOGGED_PREFIXES = ("/v1/", "/admin/")
+LOGGED_PREFIXES = ("/v1/", "/admin/", "/tokenize", "/detokenize")
 CLIENT_GONE = 499
 QUEUE_LINES = 10_000  # lines waiting for the writer thread before new ones are dropped
 

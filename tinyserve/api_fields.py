@@ -39,8 +39,16 @@ def _number(neutral: float) -> Callable[[Any], bool]:
     return check
 
 
-def _empty(v: Any) -> bool:
-    return v is None or v == [] or v == {} or v == ""
+def _no_list(v: Any) -> bool:
+    return v is None or (isinstance(v, list) and not v)
+
+
+def _no_dict(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and not v)
+
+
+def _no_text(v: Any) -> bool:
+    return v is None or v == ""
 
 
 def _anything(v: Any) -> bool:
@@ -58,18 +66,20 @@ def _no_tool_choice(v: Any) -> bool:
 
 _SHARED: dict[str, Callable[[Any], bool]] = {
     # OpenAI
-    "frequency_penalty": _number(0), "presence_penalty": _number(0), "logit_bias": _empty,
+    "frequency_penalty": _number(0), "presence_penalty": _number(0), "logit_bias": _no_dict,
     "best_of": _number(1), "service_tier": _anything, "store": _anything,
     "metadata": _anything, "prompt_cache_key": _anything, "safety_identifier": _anything,
     # vLLM sampling extensions
     "repetition_penalty": _number(1), "min_tokens": _number(0), "min_p": _number(0),
-    "bad_words": _empty, "allowed_token_ids": _none,
+    "bad_words": _no_list, "allowed_token_ids": _none,
     "use_beam_search": _is(False), "length_penalty": _number(1),
     "include_stop_str_in_output": _is(False),
     "spaces_between_special_tokens": _is(True), "prompt_logprobs": _none,
     "truncate_prompt_tokens": _none, "return_tokens_as_token_ids": _is(False),
-    "return_token_ids": _is(False), "logits_processors": _empty, "priority": _number(0),
-    "cache_salt": _none, "kv_transfer_params": _none, "vllm_xargs": _empty,
+    "return_token_ids": _is(False), "logits_processors": _no_list, "priority": _number(0),
+    "cache_salt": _none, "kv_transfer_params": _none, "vllm_xargs": _no_dict,
+    "prompt_embeds": _none, "max_repetition_pattern_size": _number(0),
+    "min_repetition_pattern_size": _number(0), "repetition_min_count": _number(0),
     "request_id": _anything, "guided_decoding_backend": _anything,
     "guided_whitespace_pattern": _none,
     # vLLM structured output
@@ -79,20 +89,25 @@ _SHARED: dict[str, Callable[[Any], bool]] = {
 
 CHAT: dict[str, Callable[[Any], bool]] = {
     **_SHARED,
-    "tools": _empty, "tool_choice": _no_tool_choice, "parallel_tool_calls": _anything,
-    "functions": _empty, "function_call": _no_tool_choice, "modalities": _is(["text"]),
+    "tools": _no_list, "tool_choice": _no_tool_choice, "parallel_tool_calls": _anything,
+    "functions": _no_list, "function_call": _no_tool_choice, "modalities": _is(["text"]),
     "audio": _none, "prediction": _none, "reasoning_effort": _none,
     "web_search_options": _none, "verbosity": _none,
     # vLLM chat extensions
     "echo": _is(False), "add_generation_prompt": _is(True),
     "continue_final_message": _is(False), "add_special_tokens": _is(False),
-    "documents": _none, "chat_template": _none, "chat_template_kwargs": _empty,
-    "mm_processor_kwargs": _empty,
+    "documents": _none, "chat_template": _none, "chat_template_kwargs": _no_dict,
+    "mm_processor_kwargs": _no_dict,
 }
 
 COMPLETION: dict[str, Callable[[Any], bool]] = {
     **_SHARED,
-    "suffix": _empty, "add_special_tokens": _is(True),
+    "suffix": _no_text, "add_special_tokens": _is(True),
+}
+
+TOKENIZE: dict[str, Callable[[Any], bool]] = {  # vLLM's /tokenize
+    "continue_final_message": _is(False), "chat_template": _none,
+    "chat_template_kwargs": _no_dict, "tools": _no_list, "mm_processor_kwargs": _no_dict,
 }
 
 # Top-level fields of OpenAI's and vLLM's requests that tinyserve honours (its structs),
@@ -109,6 +124,8 @@ def check(body: bytes, struct_fields: frozenset[str], defined: dict[str, Callabl
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return  # not an object: the struct decode says why
     for name, value in raw.items():
+        if name == "stream_options":  # vLLM's rule: options only with a stream
+            _check_stream_options(value, raw.get("stream"))
         if name in struct_fields:
             continue
         neutral = defined.get(name)
@@ -130,3 +147,14 @@ def _log_unknown(name: str) -> None:
         return
     _seen_unknown.add(name)
     log.info("ignoring request field %r: neither OpenAI nor vLLM defines it", name[:64])
+
+
+def _check_stream_options(options: msgspec.Raw, stream: msgspec.Raw | None) -> None:
+    try:
+        given = msgspec.json.decode(options)
+        streaming = stream is not None and msgspec.json.decode(stream) is True
+    except (msgspec.DecodeError, RecursionError):
+        return  # the struct decode names what is wrong
+    if given and not streaming:
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options")

@@ -55,7 +55,15 @@ class PromptParser:
         if chat:
             prompts = [await self._chat_prompt(req)]
         else:
-            prompts = [await self._completion_prompt(p) for p in _batch(req.prompt)]
+            batch = _batch(req.prompt)
+            prompts = []
+            for i, p in enumerate(batch):
+                try:
+                    prompts.append(await self._completion_prompt(p))
+                except ApiError as e:
+                    if len(batch) > 1:  # which one
+                        e.message = f"prompt[{i}]: {e.message}"
+                    raise
         if chat and req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
         else:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
@@ -71,19 +79,22 @@ class PromptParser:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "send exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
+            if req.add_special_tokens:  # vLLM's chat default is off; the template adds them
+                raise ApiError(400, "add_special_tokens is not supported with messages",
+                               param="add_special_tokens", code="unsupported_parameter")
             return await self._chat_prompt(req, req.add_generation_prompt)
         self._check_chars(len(req.prompt), "prompt")
-        return await _off_loop(len(req.prompt), self.tokenizer.encode, req.prompt,
-                               req.add_special_tokens)
+        add = True if req.add_special_tokens is None else req.add_special_tokens
+        return await _off_loop(len(req.prompt), self.tokenizer.encode, req.prompt, add)
 
     async def detokenize(self, ids: list[int]) -> str:
+        if len(ids) > self.max_model_len:  # before looking at each element
+            raise ApiError(400, f"tokens: {len(ids)} ids, more than the model's context of "
+                           f"{self.max_model_len}", param="tokens")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ApiError(400, f"tokens: token id {bad[0]} is not in the vocabulary "
                            f"[0, {self.vocab_size})", param="tokens")
-        if len(ids) > self.max_model_len:
-            raise ApiError(400, f"tokens: {len(ids)} ids, more than the model's context of "
-                           f"{self.max_model_len}", param="tokens")
         return await _off_loop(len(ids) * 4, self.tokenizer.decode, ids, False)
 
     async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,

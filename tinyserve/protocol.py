@@ -53,6 +53,7 @@ class ErrorResponse(msgspec.Struct):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (refused when true)
 
 
 class ContentPart(msgspec.Struct):
@@ -91,15 +92,14 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[Any]  # text, token ids, or a one-element list of either
+    prompt: str | list[Any]  # text, token ids, or a batch (a list of either)
     logprobs: int | None = None
     echo: bool = False
 
 
-# What each API request's struct honours; the rest is checked by tinyserve.api_fields.
-_API_FIELDS = {k: frozenset(k.__struct_fields__)
-               for k in (ChatCompletionRequest, CompletionRequest)}
-_API_FIELD_TABLES = {ChatCompletionRequest: "CHAT", CompletionRequest: "COMPLETION"}
+# Requests whose fields beyond the struct's are checked by tinyserve.api_fields (its tables).
+_API_FIELD_TABLES = {"ChatCompletionRequest": "CHAT", "CompletionRequest": "COMPLETION",
+                     "TokenizeRequest": "TOKENIZE"}
 
 _PARAM_RE = re.compile(r"at `\$\.([A-Za-z_]+)|missing required field `([A-Za-z_]+)`")
 
@@ -116,14 +116,15 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"Invalid JSON body: {e}") from None
     except RecursionError:  # msgspec's guard against deep nesting
         raise ApiError(400, "Invalid JSON body: nested too deeply") from None
-    fields = _API_FIELDS.get(kind)
-    if fields is not None:
+    table = _API_FIELD_TABLES.get(kind.__name__)
+    if table is not None:
         from tinyserve import api_fields
 
-        api_fields.check(body, fields, getattr(api_fields, _API_FIELD_TABLES[kind]))
-        if req.stream_options is not None and not req.stream:
-            raise ApiError(400, "stream_options is only allowed when stream is true",
-                           param="stream_options")
+        api_fields.check(body, frozenset(kind.__struct_fields__), getattr(api_fields, table))
+        options = getattr(req, "stream_options", None)
+        if options is not None and options.continuous_usage_stats:
+            raise ApiError(400, "stream_options.continuous_usage_stats is not supported by "
+                           "this server", param="stream_options", code="unsupported_parameter")
     return req
 
 
@@ -294,9 +295,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None  # default: the first served model
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # prompt only (chat prompts come from the template)
+    add_special_tokens: bool | None = None  # prompt: default on; messages: off (the template)
     add_generation_prompt: bool = True  # messages only
     return_token_strs: bool = False
+    user: str | None = None  # picks a --route alias's target as a completion's would
 
 
 class TokenizeResponse(msgspec.Struct):

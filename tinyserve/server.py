@@ -126,7 +126,7 @@ class Server:
         actors += [(f"batcher[{name}]", b.run()) for name, b in self.batchers.items()]
         for name, coro in actors:
             self.supervisor.watch(loop.create_task(coro, name=name))
-        roots = {spec.name: spec.engine.model or spec.name for spec in self.models}
+        roots = {spec.name: spec.engine.resolved_model for spec in self.models}
         parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer,
                                       roots[name])
                    for name, e in engines.items()}

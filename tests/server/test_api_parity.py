@@ -77,18 +77,28 @@ def test_the_seen_set_is_bounded():
 
 
 def test_stream_options_need_stream():
-    with pytest.raises(ApiError) as e:
-        decode_request(b'{"model": "m", "messages": [], "stream_options": {"include_usage": true}}',
-                       ChatCompletionRequest)
-    assert e.value.param == "stream_options"
+    for options in (b'{"include_usage": true}', b'{"include_usage": false}'):
+        with pytest.raises(ApiError) as e:
+            decode_request(b'{"model": "m", "messages": [], "stream_options": ' + options + b"}",
+                           ChatCompletionRequest)
+        assert e.value.param == "stream_options"
+    # vLLM's rule is on truthiness: empty or null options ask for nothing.
+    for options in (b"{}", b"null"):
+        decode_request(b'{"model": "m", "messages": [], "stream": false, "stream_options": '
+                       + options + b"}", ChatCompletionRequest)
     decode_request(b'{"model": "m", "messages": [], "stream": true, '
                    b'"stream_options": {"include_usage": true}}', ChatCompletionRequest)
+    with pytest.raises(ApiError) as e:
+        decode_request(b'{"model": "m", "messages": [], "stream": true, "stream_options": '
+                       b'{"continuous_usage_stats": true}}', ChatCompletionRequest)
+    assert e.value.code == "unsupported_parameter"
 
 
 def test_field_check_is_type_strict():
     # false is not 0 and "0" is not 0: a client sending them asked for something odd.
     for bad in (b'"presence_penalty": false', b'"presence_penalty": "0"',
-                b'"echo": 0', b'"tools": {"a": 1}'):
+                b'"echo": 0', b'"tools": {"a": 1}', b'"tools": ""', b'"logit_bias": []',
+                b'"prompt_embeds": "abc"', b'"repetition_min_count": 2'):
         with pytest.raises(ApiError):
             decode_request(b'{"model": "m", "messages": [], ' + bad + b"}",
                            ChatCompletionRequest)
@@ -136,6 +146,11 @@ def test_tokenize_chat_matches_the_chat_prompt(server):
 
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {"model": MODEL}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True},
+     "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}],
+                   "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"prompt": "a", "chat_template": "{{ x }}"}, "chat_template"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
     ("/tokenize", {"model": "nope", "prompt": "a"}, "model"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
@@ -241,3 +256,28 @@ def test_skip_special_tokens_reaches_the_engine():
                          b'"stop_token_ids": [3, 4]}', CompletionRequest)
     params = to_sampling_params(req, 4, 512)
     assert params.skip_special_tokens is False and params.stop_token_ids == (3, 4)
+
+
+def test_a_batch_no_wait_could_admit_is_a_400():
+    from types import SimpleNamespace
+
+    from tinyserve.actors.ingress import Ingress
+    from tinyserve.config import TenantConfig
+    from tinyserve.messages import SamplingParams
+
+    b = SimpleNamespace(admission=SimpleNamespace(lanes={"m": SimpleNamespace(capacity=8)}))
+    params = SamplingParams(max_tokens=10)
+    fits = Ingress._batch_fits
+    fits(b, [[1, 2]] * 8, params, TenantConfig("t"), "m")  # exactly the capacity
+    for tenant, n, what in ((TenantConfig("t"), 9, "capacity"),
+                            (TenantConfig("t", max_concurrent=2), 3, "max_concurrent"),
+                            (TenantConfig("t", tokens_per_minute=30), 3, "per minute")):
+        with pytest.raises(ApiError) as e:
+            fits(b, [[1, 2]] * n, params, tenant, "m")
+        assert e.value.status == 400 and what in e.value.message
+
+
+def test_batch_errors_name_the_prompt(server):
+    status, body, _ = run(post(server.url, "/v1/completions",
+                               completion(["Once", [1, 10**6]], max_tokens=1)))
+    assert status == 400 and body["error"]["message"].startswith("prompt[1]: "), body

@@ -222,7 +222,7 @@ _bad_common = [
     (_not_bool, _set("stream")),
     (_json.filter(lambda v: v is not None and not isinstance(v, dict))
      | st.fixed_dictionaries({"include_usage": _not_bool}), _set("stream_options")),
-    (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}), _options_without_stream),
+    (st.fixed_dictionaries({"include_usage": st.booleans()}), _options_without_stream),
     (_not_bool, _set("ignore_eos")),
     (_json.filter(lambda v: v is not None and not isinstance(v, str)), _set("user")),
     (_surrogates, _set("user")),

@@ -258,7 +258,7 @@ class Ingress:
         cards = [ModelCard(name, p.max_model_len, p.root) for name, p in b.parsers.items()]
         for alias, weights in b.router.routes.items():
             cards.append(ModelCard(alias, min(b.parsers[n].max_model_len for n, _ in weights),
-                                   alias))
+                                   b.parsers[weights[0][0]].root))
         return cards
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -267,10 +267,18 @@ class Ingress:
         b = self._backend()
         async with self._parsing:
             req = decode_request(await self._body(request), TokenizeRequest)
-            parser = self._parser_for(b, req.model, tenant)
+            parser = self._parser_for(b, req.model, tenant, req.user)
             ids = await parser.tokenize(req)
-        strs = [parser.tokenizer.token_text(i) for i in ids] if req.return_token_strs else None
-        return _json(TokenizeResponse(len(ids), parser.max_model_len, ids, strs))
+
+        def answer() -> bytes:
+            strs = ([parser.tokenizer.token_text(i) for i in ids] if req.return_token_strs
+                    else None)
+            return msgspec.json.encode(TokenizeResponse(len(ids), parser.max_model_len, ids,
+                                                        strs))
+        # A long text is many ids: named and encoded off the loop.
+        body = (answer() if len(ids) <= 4096
+                else await asyncio.get_running_loop().run_in_executor(None, answer))
+        return web.Response(body=body, content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /detokenize``."""
@@ -282,10 +290,12 @@ class Ingress:
             return _json(DetokenizeResponse(await parser.detokenize(req.tokens)))
 
     @staticmethod
-    def _parser_for(b: Backend, model: str | None, tenant: TenantConfig) -> PromptParser:
+    def _parser_for(b: Backend, model: str | None, tenant: TenantConfig,
+                    user: str | None = None) -> PromptParser:
         if model is None:
             return next(iter(b.parsers.values()))
-        name = b.router.resolve(model, tenant.name, set())
+        # The key _generate routes with, so an alias picks the same target.
+        name = b.router.resolve(model, f"{tenant.name}\0{user or ''}", set())
         if name is None:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
@@ -382,18 +392,28 @@ class Ingress:
                               ) -> web.StreamResponse:
         """A completions request with several prompts: one request each, submitted together
         (so they batch), answered as one response with a choice per prompt. If any is
-        refused, the others are aborted and the whole request gets that error."""
+        refused, the others are aborted and the whole request gets that error. (A degradable
+        tenant's prompts may spill to a fallback model one by one; the response names the
+        model that answered the first.)"""
+        self._batch_fits(b, prompts, params, tenant, model)
         access = request.get(ACCESS)
+        # The first call carries the access line's model, first output and finish reason.
         calls = [_Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8),
-                       tenant.name) for _ in prompts]
+                       tenant.name, access=access if i == 0 else None)
+                 for i in range(len(prompts))]
         if access is not None:
             access.id, access.model, access.stream = calls[0].rid, model, req.stream
             access.prompt_tokens = sum(len(p) for p in prompts)
         for call in calls:
+            call.done = True  # until sent: nothing to abort
             self._live[call.rid] = call
         try:
+            # All sent before any answer is awaited, so they start in the same step.
             for call, ids in zip(calls, prompts):
-                await self._submit(b, call, ids, params, tenant, model)
+                call.done = False
+                self._send(b, call, ids, params, tenant, model)
+            for call in calls:
+                await self._decided(b, call)
             answering = calls[0].lane.name
             shaper = CompletionShaper(req, answering, parser.tokenizer,
                                       params.logprobs is not None, choices=len(calls))
@@ -418,6 +438,24 @@ class Ingress:
                     self._abort(b, call)
                 if call.accepted:
                     b.admission.release(call.rid, call.generated)
+
+    @staticmethod
+    def _batch_fits(b: Backend, prompts: list[list[int]], params: SamplingParams,
+                    tenant: TenantConfig, model: str) -> None:
+        """A batch no wait could ever admit is a 400, not a 429 to retry forever: more
+        prompts than the tenant may run at once or the model may hold, or more tokens than
+        the tenant's per-minute budget."""
+        n = len(prompts)
+        limits = [(tenant.max_concurrent, "the tenant's max_concurrent"),
+                  (b.admission.lanes[model].capacity, "the model's capacity")]
+        for limit, what in limits:
+            if limit is not None and n > limit:
+                raise ApiError(400, f"prompt: a batch of {n} prompts is more than {what} "
+                               f"({limit}); send fewer at once", param="prompt")
+        cost = sum(len(p) for p in prompts) + n * params.max_tokens
+        if tenant.tokens_per_minute is not None and cost > tenant.tokens_per_minute:
+            raise ApiError(400, f"prompt: the batch may use {cost} tokens, more than the "
+                           f"tenant's {tenant.tokens_per_minute} per minute", param="prompt")
 
     async def _merged(self, calls: list[_Call]) -> AsyncIterator[list[tuple[int, Output]]]:
         """Several calls' outputs as they come, tagged with the call's index."""
@@ -446,6 +484,11 @@ class Ingress:
 
     async def _submit(self, b: Backend, call: _Call, prompt_ids: list[int],
                       params: SamplingParams, tenant: TenantConfig, model: str) -> None:
+        self._send(b, call, prompt_ids, params, tenant, model)
+        await self._decided(b, call)
+
+    def _send(self, b: Backend, call: _Call, prompt_ids: list[int], params: SamplingParams,
+              tenant: TenantConfig, model: str) -> None:
         msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies,
                      tenant.cache_salt, tenant.name, tenant.priority, model)
         try:
@@ -455,6 +498,9 @@ class Ingress:
             b.metrics.emit(AdmissionRejected(call.tenant, "capacity", model))
             f = too_many(b.admission.capacity)
             raise ApiError(f.status, f.message, retry_after=f.retry_after) from None
+
+    async def _decided(self, b: Backend, call: _Call) -> None:
+        """Admission's answer to a sent call: accepted (its lane set), or an ApiError."""
         first = await call.replies.get()
         if isinstance(first, Failed):
             call.done = True
