@@ -299,5 +299,8 @@ async def serve(cfg: ServerConfig, models: Sequence[ModelSpec]) -> int:
         load.cancel()
     await server.drain()
     await server.close()
+    # Back under the collector before the interpreter tears down: frozen objects outlive
+    # their extension types' teardown (nanobind then reports leaks, and exits can fail).
+    gc.unfreeze()
     log.info("stopped")
     return 0

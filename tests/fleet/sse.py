@@ -1,10 +1,11 @@
 """A streaming client that records what a fleet test needs to know about each answer."""
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from tests.server.helpers import DONE, sse_events
 
 
 @dataclass
@@ -30,15 +31,10 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
         if r.status != 200:
             a.error = (await r.json()).get("error")
             return a
-        async for line in r.content:
-            line = line.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
+        async for doc in sse_events(r.content):
+            if doc is DONE:
                 a.done = True
                 break
-            doc = json.loads(data)
             if "error" in doc:
                 a.error = doc["error"]
                 continue

@@ -29,16 +29,24 @@ async def stream(url: str, path: str, body, headers: dict | None = None):
         async with s.post(url + path, json={**body, "stream": True}, headers=headers) as r:
             assert r.status == 200, await r.text()
             assert r.headers["Content-Type"].startswith("text/event-stream")
-            async for line in r.content:
-                line = line.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
+            async for doc in sse_events(r.content):
+                if doc is DONE:
                     done = True
                     break
-                events.append(json.loads(data))
+                events.append(doc)
             return events, done, r.headers
+
+
+DONE = object()  # what sse_events yields for `data: [DONE]`
+
+
+async def sse_events(content):
+    """The parsed `data:` payloads of an SSE body, DONE for `[DONE]`."""
+    async for line in content:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield DONE if data == "[DONE]" else json.loads(data)
 
 
 def completion(prompt, max_tokens=8, **kw):

@@ -32,10 +32,9 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from tinyserve import __version__, access_log
-from tinyserve.actors.admission import Admission, Lane, too_many
-from tinyserve.actors.metrics import Metrics
-from tinyserve.actors.supervisor import Supervisor
+from tinyserve import access_log
+from tinyserve.actors.admission import Lane, too_many
+from tinyserve.actors.endpoints import Backend, InfoEndpoints, json_response
 from tinyserve.config import ServerConfig, TenantConfig
 from tinyserve.messages import (
     Abort,
@@ -47,23 +46,14 @@ from tinyserve.messages import (
     SamplingParams,
     Submit,
 )
-from tinyserve.openapi import openapi_spec
 from tinyserve.prompts import PromptParser
 from tinyserve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    RouteUpdate,
-    TokenizeRequest,
-    TokenizeResponse,
     decode_request,
 )
 from tinyserve.responses import ChatShaper, CompletionShaper
-from tinyserve.routing import Router, describe
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +64,6 @@ OFF_LOOP_LOGPROBS = 256  # whole bodies with more logprob entries are shaped in 
 MAX_PARSING = 64  # requests reading / checking / tokenizing at once; the rest wait their turn
 WRITE_TIMEOUT_S = 30.0  # a streaming client that reads nothing for this long has gone
 MAX_BATCH = 64  # outputs one stream write may carry (a reader far behind catches up in steps)
-
-
-def _json(obj, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), status=status,
-                        content_type="application/json")
-
-
-@dataclass(slots=True)
-class Backend:
-    """What ingress talks to once the model is loaded (until then handlers answer 503)."""
-
-    parsers: dict[str, PromptParser]  # by served model name
-    admission: Admission  # and its lanes: one per model, with that model's batcher inbox
-    router: Router  # ingress is its only writer (POST /admin/routes)
-    metrics: Metrics
-    supervisor: Supervisor
 
 
 @dataclass(slots=True, eq=False)
@@ -106,7 +80,7 @@ class _Call:
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
 
 
-class Ingress:
+class Ingress(InfoEndpoints):
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.backend: Backend | None = None
@@ -202,19 +176,19 @@ class Ingress:
         """Liveness: 503 once the supervisor has seen a fault only a restart can cure."""
         failure = self.backend.supervisor.failure if self.backend else None
         if failure:
-            return _json({"status": "unhealthy", "reason": failure}, 503)
-        return _json({"status": "ok"})
+            return json_response({"status": "unhealthy", "reason": failure}, 503)
+        return json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
         """Readiness, with the degradation status: 200 while serving (``ready`` or
         ``degraded``, with the worst level and why, and each model's own)."""
         b = self.backend
         if b is None or not b.admission.ready:
-            return _json({"status": "loading"}, 503)
+            return json_response({"status": "loading"}, 503)
         if b.supervisor.failure:
-            return _json({"status": "unhealthy", "reason": b.supervisor.failure}, 503)
+            return json_response({"status": "unhealthy", "reason": b.supervisor.failure}, 503)
         if b.admission.draining:
-            return _json({"status": "draining"}, 503)
+            return json_response({"status": "draining"}, 503)
         models, reasons, level = {}, [], 0
         for lane in b.admission.lanes.values():
             slo = lane.slo
@@ -228,7 +202,7 @@ class Ingress:
                 many = len(b.admission.lanes) > 1
                 reasons.append(f"{lane.name}: {status}, {why}" if many else why)
         status = "degraded" if reasons else "ready"  # still serving: ready, but say how
-        return _json({"status": status, "level": level, "reason": "; ".join(reasons),
+        return json_response({"status": status, "level": level, "reason": "; ".join(reasons),
                       "down": [n for n, m in models.items() if m["status"] == "down"],
                       "models": models})
 
@@ -236,95 +210,6 @@ class Ingress:
         b = self._backend()
         return web.Response(body=b.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    async def models(self, request: web.Request) -> web.Response:
-        """The served models, then the --route aliases (each as long as its shortest target)."""
-        self._auth(request)
-        b = self._backend()
-        return _json(ModelList(self._cards(b)))
-
-    async def model(self, request: web.Request) -> web.Response:
-        """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``)."""
-        self._auth(request)
-        wanted = request.match_info["model_id"]
-        for card in self._cards(self._backend()):
-            if card.id == wanted:
-                return _json(card)
-        raise ApiError(404, f"The model `{wanted}` does not exist.", param="model",
-                       code="model_not_found")
-
-    @staticmethod
-    def _cards(b: Backend) -> list[ModelCard]:
-        cards = [ModelCard(name, p.max_model_len, p.root) for name, p in b.parsers.items()]
-        for alias, weights in b.router.routes.items():
-            cards.append(ModelCard(alias, min(b.parsers[n].max_model_len for n, _ in weights),
-                                   b.parsers[weights[0][0]].root))
-        return cards
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's ``POST /tokenize``."""
-        tenant = self._auth(request)
-        b = self._backend()
-        async with self._parsing:
-            req = decode_request(await self._body(request), TokenizeRequest)
-            parser = self._parser_for(b, req.model, tenant, req.user)
-            ids = await parser.tokenize(req)
-
-        def answer() -> bytes:
-            strs = ([parser.tokenizer.token_text(i) for i in ids] if req.return_token_strs
-                    else None)
-            return msgspec.json.encode(TokenizeResponse(len(ids), parser.max_model_len, ids,
-                                                        strs))
-        # A long text is many ids: named and encoded off the loop.
-        body = (answer() if len(ids) <= 4096
-                else await asyncio.get_running_loop().run_in_executor(None, answer))
-        return web.Response(body=body, content_type="application/json")
-
-    async def detokenize(self, request: web.Request) -> web.Response:
-        """vLLM's ``POST /detokenize``."""
-        tenant = self._auth(request)
-        b = self._backend()
-        async with self._parsing:
-            req = decode_request(await self._body(request), DetokenizeRequest)
-            parser = self._parser_for(b, req.model, tenant)
-            return _json(DetokenizeResponse(await parser.detokenize(req.tokens)))
-
-    @staticmethod
-    def _parser_for(b: Backend, model: str | None, tenant: TenantConfig,
-                    user: str | None = None) -> PromptParser:
-        if model is None:
-            return next(iter(b.parsers.values()))
-        # The key _generate routes with, so an alias picks the same target.
-        name = b.router.resolve(model, f"{tenant.name}\0{user or ''}", set())
-        if name is None:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
-        return b.parsers[name]
-
-    # -- routes (admin) ----------------------------------------------------------------------------
-    async def get_routes(self, request: web.Request) -> web.Response:
-        self._admin(request)
-        b = self._backend()
-        return _json({"routes": b.router.table(), "fallbacks": b.router.fallbacks})
-
-    async def set_routes(self, request: web.Request) -> web.Response:
-        """Change one alias's weights, live: requests already routed keep their model."""
-        tenant = self._admin(request)
-        b = self._backend()
-        upd = decode_request(await self._body(request), RouteUpdate)
-        if upd.alias not in b.router.routes:
-            raise ApiError(404, f"no route named {upd.alias!r} (routes: "
-                           f"{', '.join(b.router.routes) or 'none'})", param="alias")
-        try:
-            old = b.router.set_route(upd.alias, tuple(upd.weights.items()))
-        except ValueError as e:
-            raise ApiError(400, str(e), param="weights") from None
-        log.warning("route %s: %s -> %s (by tenant %s)", upd.alias, describe(old),
-                    describe(b.router.routes[upd.alias]), tenant.name)
-        return _json({"routes": b.router.table(), "fallbacks": b.router.fallbacks})
-
-    async def openapi(self, request: web.Request) -> web.Response:
-        return _json(openapi_spec(__version__))
 
     # -- the generate path -----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
