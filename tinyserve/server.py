@@ -264,6 +264,10 @@ class Server:
         return True
 
     async def close(self) -> None:
+        # Back under the collector: what was frozen at start-up may now be garbage, and
+        # frozen objects outlive their extension types' teardown at exit (nanobind reports
+        # leaks). Closing twice is harmless.
+        gc.unfreeze()
         for task in list(self._probes):
             task.cancel()
         await asyncio.gather(*self._probes, return_exceptions=True)
@@ -299,8 +303,5 @@ async def serve(cfg: ServerConfig, models: Sequence[ModelSpec]) -> int:
         load.cancel()
     await server.drain()
     await server.close()
-    # Back under the collector before the interpreter tears down: frozen objects outlive
-    # their extension types' teardown (nanobind then reports leaks, and exits can fail).
-    gc.unfreeze()
     log.info("stopped")
     return 0
