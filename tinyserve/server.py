@@ -44,11 +44,12 @@ PROBE_STABLE_S = 60.0  # up this long after a probe: the next failure starts the
 
 class Server:
     def __init__(self, cfg: ServerConfig, models: Sequence[ModelSpec],
-                 engines: dict[str, Any] | None = None) -> None:
+                 engines: dict[str, Any] | None = None, freeze_heap: bool = False) -> None:
         """``models``: what to serve (``config.build_models``). ``engines``: already built
         engines by model name (``info``, ``tokenizer``, ``runner.execute``); tests pass fake
         ones. Models without one are built from their EngineConfig in ``load``."""
         self.cfg = cfg
+        self.freeze_heap = freeze_heap  # gc.freeze once warmed up: only a process of its own
         self.models = tuple(models)
         self._engines = dict(engines or {})
         # Checks names, routes and fallbacks before anything loads (ValueError).
@@ -147,11 +148,12 @@ class Server:
             if warm_up is not None:  # every kernel specialization, before the first request
                 await loop.run_in_executor(None, warm_up)
             await self._warm_up(spec.name, engines[spec.name].tokenizer)
-        # Everything alive now (weights, kernels, tokenizers, the interpreter's caches) lives
-        # as long as the process: freezing it keeps the collector from walking it again. A
-        # full collection over that heap stalled the event loop for 100+ ms at a time.
-        gc.collect()
-        gc.freeze()
+        if self.freeze_heap:
+            # Everything alive now (weights, kernels, tokenizers, the interpreter's caches)
+            # lives as long as the process: freezing it keeps the collector from walking it
+            # again. A full collection over that heap stalled the event loop 100+ ms at a time.
+            gc.collect()
+            gc.freeze()
         self.admission.ready = True
         for spec in self.models:
             info = infos[spec.name]
@@ -264,10 +266,10 @@ class Server:
         return True
 
     async def close(self) -> None:
-        # Back under the collector: what was frozen at start-up may now be garbage, and
-        # frozen objects outlive their extension types' teardown at exit (nanobind reports
-        # leaks). Closing twice is harmless.
-        gc.unfreeze()
+        if self.freeze_heap:
+            # Back under the collector: frozen objects outlive their extension types'
+            # teardown at exit (nanobind reports leaks). Closing twice is harmless.
+            gc.unfreeze()
         for task in list(self._probes):
             task.cancel()
         await asyncio.gather(*self._probes, return_exceptions=True)
@@ -284,7 +286,7 @@ def _seconds(ms: float | None) -> float | None:
 
 
 async def serve(cfg: ServerConfig, models: Sequence[ModelSpec]) -> int:
-    server = Server(cfg, models)
+    server = Server(cfg, models, freeze_heap=True)  # the process is the server's own
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)

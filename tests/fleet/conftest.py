@@ -54,6 +54,20 @@ def running_replicas() -> int:
     return st.replica_states.get("RUNNING", 0)
 
 
+def serve_events(limit: int = 20) -> str:
+    """Serve's recent health-check and replica-stop lines, and the servers' exits, for a
+    failing test's message (the replicas' own logs stay in Ray's session directory)."""
+    import glob
+
+    logs = "/tmp/ray/session_latest/logs/serve/"
+    lines = []
+    for path in sorted(glob.glob(logs + "controller_*.log") + glob.glob(logs + "replica_*.log")):
+        with open(path, errors="replace") as f:
+            lines += [line[:300] for line in f if any(k in line for k in (
+                "Health check", "unhealthy", "stopping it", "died", "exited", "Traceback"))]
+    return "\n".join(lines[-limit:]) or "(no health-check events in Serve's logs)"
+
+
 def wait_for(pred, timeout_s: float, what: str, step_s: float = 0.25):
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -61,7 +75,7 @@ def wait_for(pred, timeout_s: float, what: str, step_s: float = 0.25):
         if v:
             return v
         time.sleep(step_s)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}\n{serve_events()}")
 
 
 async def await_for(pred, timeout_s: float, what: str, step_s: float = 0.25):
@@ -71,7 +85,7 @@ async def await_for(pred, timeout_s: float, what: str, step_s: float = 0.25):
         if v:
             return v
         await asyncio.sleep(step_s)
-    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}\n{serve_events()}")
 
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

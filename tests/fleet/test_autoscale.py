@@ -15,7 +15,7 @@ def test_sustained_queue_scales_up_and_back_down(ray_cluster):
     cfg = FleetConfig(min_replicas=1, max_replicas=2, num_cpus=0.5,
                       target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=3,
                       metrics_interval_s=0.5, look_back_period_s=1,
-                      health_check_period_s=1, drain_timeout_s=5,
+                      health_check_period_s=1, health_check_timeout_s=30, drain_timeout_s=5,
                       # The clients' prompts share a prefix: only the load guard moves
                       # them to the new replica.
                       balance_abs_threshold=2, balance_rel_threshold=1.0,
