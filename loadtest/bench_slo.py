@@ -70,8 +70,10 @@ def run(phase_seconds: float = 15.0, slo_ttft_ms: float | None = 400.0, seed: in
     last = last_phase_seconds or phase_seconds
     phases = [(phase_seconds, CAPACITY), (phase_seconds, 1.5 * CAPACITY), (last, 2 * CAPACITY)]
     cfg = {"slo_ttft_ms": slo_ttft_ms} if slo_ttft_ms else {}
+    # The heap frozen as the real server freezes it: a full collection in this process (its
+    # load generator included) stalls the loop for a window's worth of TTFT otherwise.
     srv = InProcessServer(FakeRunner(step_seconds=STEP_S), max_num_seqs=SEQS, max_waiting=256,
-                          overlap=overlap, **cfg)
+                          overlap=overlap, freeze_heap=True, **cfg)
     try:
         results = asyncio.run(_load(srv.url, phases, seed))
         idle = srv.wait_idle(60)

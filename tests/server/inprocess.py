@@ -78,10 +78,11 @@ class InProcessServer:
 
     def __init__(self, runner: FakeRunner | None = None, *, max_model_len: int = 128,
                  num_kv_blocks: int = 512, models: dict[str, FakeRunner] | None = None,
-                 engine=None, **cfg) -> None:
+                 engine=None, freeze_heap: bool = False, **cfg) -> None:
         """``models``: several served models by name, each on its own fake runner (default:
         one, ``stories260k``, on ``runner``). ``engine``: a real Engine to serve instead (as
-        ``stories260k``)."""
+        ``stories260k``). ``freeze_heap``: freeze the process's heap once loaded, as
+        ``python -m tinyserve`` does (for latency measurements; undone by ``stop``)."""
         self.runners = models or {"stories260k": runner or FakeRunner()}
         self.runner = next(iter(self.runners.values()))
         engine_keys = {"max_num_seqs", "max_num_batched_tokens", "block_size"}
@@ -92,7 +93,8 @@ class InProcessServer:
         if engine is not None:
             engines = {"stories260k": engine}
         self.loop = asyncio.new_event_loop()
-        self.server = Server(scfg, [ModelSpec(name, ecfg) for name in self.runners], engines)
+        self.server = Server(scfg, [ModelSpec(name, ecfg) for name in self.runners], engines,
+                             freeze_heap=freeze_heap)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.call(self._start())
