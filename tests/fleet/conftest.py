@@ -19,6 +19,12 @@ from tinyserve.fleet.app import FleetConfig, build  # noqa: E402
 APP = "tinyserve"
 
 
+# A starved CI machine must not make Serve kill its own HTTP proxy (its readiness and health
+# checks time out after 5 s and 10 s by default); read when the cluster's processes start.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     # Logical CPUs: replicas take fractions; the Triton interpreter steps are what use the
