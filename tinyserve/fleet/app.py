@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinyserve.fleet.messages import check_server_args
+
 ROUTER_CLASS = "tinyserve.fleet.router.PrefixLoadRouter"
 
 
@@ -66,10 +68,7 @@ class FleetConfig:
             raise ValueError("server_args must be a list of strings")
         if self.target_ongoing_requests <= 0:
             raise ValueError("target_ongoing_requests must be > 0")
-        for a in self.server_args:
-            if a.split("=", 1)[0] in ("--host", "--port"):
-                raise ValueError(f"server_args may not set {a.split('=', 1)[0]}: each replica "
-                                 "runs its server on 127.0.0.1 on a free port")
+        check_server_args(self.server_args)
         server = self.parsed_server_args()
         if self.max_ongoing_requests is None:
             self.max_ongoing_requests = server.max_num_seqs + server.max_waiting

@@ -18,6 +18,15 @@ def relay_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(k.lower(), v) for k, v in items if k.lower() not in _HOP]
 
 
+def check_server_args(args: list[str]) -> None:
+    """ValueError if server args set what each replica chooses itself: its host and port."""
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag in ("--host", "--port"):
+            raise ValueError(f"server args may not set {flag}: each replica runs its server on "
+                             "127.0.0.1 on a free port")
+
+
 @dataclass
 class FleetRequest:
     """One HTTP request on its way to a replica. ``prompt`` is the text the router matches

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from tinyserve.fleet.messages import FleetRequest, ReplicaDown, relay_headers
+from tinyserve.fleet.messages import FleetRequest, ReplicaDown, check_server_args, relay_headers
 
 log = logging.getLogger("ray.serve")
 
@@ -98,10 +98,7 @@ class ServerProcess:
 
     def __init__(self, server_args: list[str], env: dict[str, str] | None = None,
                  command: list[str] | None = None) -> None:
-        for a in server_args:
-            if a.split("=", 1)[0] in ("--host", "--port"):
-                raise ValueError(f"{a.split('=', 1)[0]} is the replica's to choose: each "
-                                 "server listens on 127.0.0.1 on a free port")
+        check_server_args(server_args)
         self.command = command or [sys.executable, "-m", "tinyserve", "--host", "127.0.0.1",
                                    "--port", "0"]
         self.server_args = server_args
