@@ -17,12 +17,14 @@ from tinyserve.kernels.attention_prefill import context_attention_paged  # noqa:
 from tinyserve.kernels.embedding import gather_rows  # noqa: E402
 from tinyserve.kernels.kv_cache import update_block_table, write_kv_cache  # noqa: E402
 from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
+from tinyserve.kernels.penalties import apply_penalties  # noqa: E402
 from tinyserve.kernels.rmsnorm import add_rmsnorm  # noqa: E402
 from tinyserve.kernels.rotary import apply_rotary, rotary_and_write_kv  # noqa: E402
 from tinyserve.kernels.sampling import sample  # noqa: E402
 
 __all__ = [
     "add_rmsnorm",
+    "apply_penalties",
     "apply_rotary",
     "context_attention_paged",
     "gather_rows",

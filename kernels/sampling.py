@@ -1,8 +1,10 @@
 """Token sampling on the GPU: greedy, temperature, top-k, top-p, per-row seeds, logprobs.
 
-Per row r of logits x [B, V] (fp32):
+Per row r of logits x [B, V] (fp32), the processed logits y (x after penalties and logit_bias,
+penalties.py; y = x without them) and the grammar mask M (forbidden tokens read -inf in both):
 
     lse      = log sum exp(x)                       (raw log-probs: x - lse, as OpenAI/vLLM report)
+    (below, x stands for y: the token is chosen from the processed logits)
     greedy   : token = argmax x                     (temperature == 0; first index on ties)
     sampled  : z = x / T;  keep z >= k-th largest z (top_k > 0);
                e = exp(z - max z) over kept;  keep e >= u* where u* is the smallest cut with
@@ -17,8 +19,10 @@ bisection over the order-preserving int32 image of the floats, counting (top-k) 
 (top-p) over the vocabulary in chunks per round. 8 rounds give the exact k-th value.
 ``top_logprobs`` picks the N best by repeated chunked argmax under the order (value desc,
 index asc), which needs no sort either.
-Layouts: logits [B, V] fp32 (unit column stride); temperature, top_p [B] fp32; top_k [B] int32;
-seeds [B] int64; out tokens [B] int64, token_logprobs [B] fp32, top ids/logprobs [B, N].
+Layouts: logits, processed [B, V] fp32 (unit column stride); allowed [B, ceil(V/32)] int32
+(bit t % 32 of word t // 32: token t allowed, the layout xgrammar and llguidance fill);
+temperature, top_p [B] fp32; top_k [B] int32; seeds [B] int64; out tokens [B] int64,
+token_logprobs [B] fp32, top ids/logprobs [B, N].
 """
 
 from __future__ import annotations
@@ -38,38 +42,60 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _scaled(row_ptrs, offs_v, start, V, inv_t):
-    mask = (start + offs_v) < V
+def _load(row_ptrs, allowed_rows, offs_v, start, V, HAS_MASK: tl.constexpr):
+    """A [BLOCK_B, BLOCK_V] chunk of logits; tokens the grammar mask forbids read -inf."""
+    idx = start + offs_v
+    mask = idx < V
     x = tl.load(row_ptrs + start, mask=mask[None, :], other=float("-inf"))
+    if HAS_MASK:
+        word = tl.load(allowed_rows + (idx // 32)[None, :], mask=mask[None, :], other=0)
+        x = tl.where(((word >> (idx % 32)[None, :]) & 1) != 0, x, float("-inf"))
+    return x, mask
+
+
+@triton.jit
+def _scaled(row_ptrs, allowed_rows, offs_v, start, V, inv_t, HAS_MASK: tl.constexpr):
+    x, mask = _load(row_ptrs, allowed_rows, offs_v, start, V, HAS_MASK)
     return x * inv_t[:, None], mask
 
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, token_ptr, logprob_ptr,
-    stride_lb, B, V,
+    logits_ptr, proc_ptr, allowed_ptr, temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, token_ptr,
+    logprob_ptr,
+    stride_lb, stride_pb, stride_ab, B, V,
     APPLY_TOP_K: tl.constexpr, APPLY_TOP_P: tl.constexpr, ALL_GREEDY: tl.constexpr,
+    HAS_PROC: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
     b_ok = offs_b < B
     offs_v = tl.arange(0, BLOCK_V)
     rows = tl.where(b_ok, offs_b, 0)  # padded rows read row 0 and store nothing
-    row_ptrs = logits_ptr + rows[:, None] * stride_lb + offs_v[None, :]
+    raw_ptrs = logits_ptr + rows[:, None] * stride_lb + offs_v[None, :]
+    # The token is chosen from the processed logits (penalties, logit_bias); logprobs are
+    # reported from the raw ones (vLLM's default); the grammar mask applies to both.
+    row_ptrs = raw_ptrs
+    if HAS_PROC:
+        row_ptrs = proc_ptr + rows[:, None] * stride_pb + offs_v[None, :]
+    allowed_rows = allowed_ptr + rows[:, None] * stride_ab
 
-    # Pass 1: logsumexp and greedy argmax of the raw logits.
+    # Pass 1: greedy argmax of the processed logits, logsumexp of the raw ones.
     m = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    m_r = tl.full([BLOCK_B], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_B], tl.float32)
     best = tl.zeros([BLOCK_B], tl.int64)
     for start in range(0, V, BLOCK_V):
-        mask = (start + offs_v) < V
-        x = tl.load(row_ptrs + start, mask=mask[None, :], other=float("-inf"))
+        x, mask = _load(row_ptrs, allowed_rows, offs_v, start, V, HAS_MASK)
         cmax, cidx = tl.max(x, axis=1, return_indices=True)
         best = tl.where(cmax > m, cidx.to(tl.int64) + start, best)
-        m_new = tl.maximum(m, cmax)
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
-        m = m_new
-    lse = m + tl.log(s)
+        m = tl.maximum(m, cmax)
+        if HAS_PROC:
+            x, mask = _load(raw_ptrs, allowed_rows, offs_v, start, V, HAS_MASK)
+        m_new = tl.maximum(m_r, tl.max(x, axis=1))
+        s = s * tl.exp(m_r - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m_r = m_new
+    lse = m_r + tl.log(s)
     token = best
 
     if not ALL_GREEDY:
@@ -93,7 +119,7 @@ def _sample_kernel(
                 cuts = lo[:, None] + fan[None, :] * step[:, None]  # [BLOCK_B, 16]
                 cnt = tl.full([BLOCK_B, 16], 0, tl.int64)
                 for start in range(0, V, BLOCK_V):
-                    z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+                    z, mask = _scaled(row_ptrs, allowed_rows, offs_v, start, V, inv_t, HAS_MASK)
                     key = _ordered_key(z).to(tl.int64)
                     ge = (key[:, None, :] >= cuts[:, :, None]) & mask[None, None, :]
                     cnt += tl.sum(ge.to(tl.int64), axis=2)
@@ -110,7 +136,7 @@ def _sample_kernel(
             top_p = tl.load(top_p_ptr + offs_b, mask=b_ok, other=1.0)
             total = tl.full([BLOCK_B], 0.0, tl.float32)
             for start in range(0, V, BLOCK_V):
-                z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+                z, mask = _scaled(row_ptrs, allowed_rows, offs_v, start, V, inv_t, HAS_MASK)
                 kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) & mask[None, :]
                 total += tl.sum(tl.where(kept, tl.exp(z - z_max[:, None]), 0.0), axis=1)
             goal = top_p * total
@@ -121,7 +147,7 @@ def _sample_kernel(
                 cuts = lo[:, None] + fan[None, :] * step[:, None]
                 above = tl.full([BLOCK_B, 16], 0.0, tl.float32)
                 for start in range(0, V, BLOCK_V):
-                    z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+                    z, mask = _scaled(row_ptrs, allowed_rows, offs_v, start, V, inv_t, HAS_MASK)
                     e = tl.exp(z - z_max[:, None])
                     kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) & mask[None, :]
                     e_key = e.to(tl.int32, bitcast=True).to(tl.int64)
@@ -134,32 +160,33 @@ def _sample_kernel(
                 lo = new_lo
             p_cut = tl.where(top_p < 1.0, lo, 0)
 
-        # Gumbel-max draw over the kept set.
+        # Gumbel-max draw over the kept set (a banned or masked token is -inf: never drawn).
         seed = tl.load(seed_ptr + offs_b, mask=b_ok, other=0)
         g_best = tl.full([BLOCK_B], float("-inf"), tl.float32)
         g_idx = tl.zeros([BLOCK_B], tl.int64)
         for start in range(0, V, BLOCK_V):
-            z, mask = _scaled(row_ptrs, offs_v, start, V, inv_t)
+            z, mask = _scaled(row_ptrs, allowed_rows, offs_v, start, V, inv_t, HAS_MASK)
             e = tl.exp(z - z_max[:, None])
             kept = (_ordered_key(z).to(tl.int64) >= k_cut[:, None]) \
-                & (e.to(tl.int32, bitcast=True).to(tl.int64) >= p_cut[:, None]) & mask[None, :]
+                & (e.to(tl.int32, bitcast=True).to(tl.int64) >= p_cut[:, None]) & mask[None, :] \
+                & (z > float("-inf"))
             u = tl.rand(seed[:, None], (start + offs_v)[None, :])
             score = tl.where(kept, z - tl.log(-tl.log(u)), float("-inf"))
             cmax, cidx = tl.max(score, axis=1, return_indices=True)
             g_idx = tl.where(cmax > g_best, cidx.to(tl.int64) + start, g_idx)
             g_best = tl.maximum(g_best, cmax)
-        token = tl.where(temp > 0.0, g_idx, best)
+        token = tl.where((temp > 0.0) & (g_best > float("-inf")), g_idx, best)
 
     x_tok = tl.load(logits_ptr + offs_b * stride_lb + token, mask=b_ok, other=0.0)
     tl.store(token_ptr + offs_b, token, mask=b_ok)
     tl.store(logprob_ptr + offs_b, x_tok - lse, mask=b_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "N"])  # N = 1 or 16 would each compile anew
 def _top_logprobs_kernel(
-    logits_ptr, logprob_ptr, top_ids_ptr, top_lp_ptr, token_ptr,
-    stride_lb, stride_tb, B, V, N,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr, allowed_ptr, logprob_ptr, top_ids_ptr, top_lp_ptr, token_ptr,
+    stride_lb, stride_ab, stride_tb, B, V, N,
+    HAS_MASK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """N rounds of argmax, each below the previous pick in (value desc, index asc) order."""
     offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -167,10 +194,11 @@ def _top_logprobs_kernel(
     offs_v = tl.arange(0, BLOCK_V).to(tl.int64)
     rows = tl.where(b_ok, offs_b, 0)
     row_ptrs = logits_ptr + rows[:, None] * stride_lb + offs_v[None, :]
+    allowed_rows = allowed_ptr + rows[:, None] * stride_ab
     # lse = x[token] - logprob[token], from the sampling pass.
     token = tl.load(token_ptr + offs_b, mask=b_ok, other=0)
-    lse = tl.load(logits_ptr + offs_b * stride_lb + token, mask=b_ok, other=0.0) \
-        - tl.load(logprob_ptr + offs_b, mask=b_ok, other=0.0)
+    lp_tok = tl.load(logprob_ptr + offs_b, mask=b_ok, other=0.0)
+    lse = tl.load(logits_ptr + offs_b * stride_lb + token, mask=b_ok, other=0.0) - lp_tok
     prev_v = tl.full([BLOCK_B], float("inf"), tl.float32)
     prev_i = tl.full([BLOCK_B], -1, tl.int64)
     for n in range(0, N):
@@ -178,7 +206,7 @@ def _top_logprobs_kernel(
         best_i = tl.full([BLOCK_B], V, tl.int64)
         for start in range(0, V, BLOCK_V):
             idx = start + offs_v
-            x = tl.load(row_ptrs + start, mask=(idx < V)[None, :], other=float("-inf"))
+            x, _ = _load(row_ptrs, allowed_rows, offs_v, start, V, HAS_MASK)
             below = (x < prev_v[:, None]) | ((x == prev_v[:, None]) & (idx[None, :] > prev_i[:, None]))
             x = tl.where(below & (idx < V)[None, :], x, float("-inf"))
             cmax, cidx = tl.max(x, axis=1, return_indices=True)
@@ -187,7 +215,10 @@ def _top_logprobs_kernel(
             best_i = tl.where(better, cidx, best_i)
             best_v = tl.where(better, cmax, best_v)
         tl.store(top_ids_ptr + offs_b * stride_tb + n, best_i, mask=b_ok)
-        tl.store(top_lp_ptr + offs_b * stride_tb + n, best_v - lse, mask=b_ok)
+        # The token's own entry is its logprob bit for bit (x - (x - lp) may round): clients
+        # (lm-eval's is_greedy) compare the two with ==.
+        tl.store(top_lp_ptr + offs_b * stride_tb + n,
+                 tl.where(best_i == token, lp_tok, best_v - lse), mask=b_ok)
         prev_v = best_v
         prev_i = best_i
 
@@ -195,11 +226,15 @@ def _top_logprobs_kernel(
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seeds: torch.Tensor, num_top_logprobs: int = 0,
            *, all_greedy: bool = False, any_top_k: bool = True, any_top_p: bool = True,
+           processed: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """logits: [B, V] fp32 -> (tokens [B] int64, logprobs [B], top ids [B, N], top logprobs [B, N]).
 
-    The keyword flags are host-side facts about the batch that let the kernel skip whole
-    passes (the per-row parameters stay authoritative).
+    ``processed`` [B, V] fp32: the logits after penalties and logit_bias, to choose from
+    (logprobs still come from ``logits``); ``allowed`` [B, ceil(V / 32)] int32: the grammar
+    bitmask (bit t % 32 of word t // 32 set: token t allowed), applied to both; a row of all
+    ones leaves a row unconstrained. The keyword flags are host-side facts about the batch
+    that let the kernel skip whole passes (the per-row parameters stay authoritative).
     """
     check(logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1,
           "logits must be [B, V] float32 with unit column stride")
@@ -207,6 +242,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     for name, t, dt in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
                         ("top_p", top_p, torch.float32), ("seeds", seeds, torch.int64)):
         check(t.shape == (B,) and t.dtype == dt, f"{name} must be [{B}] {dt}")
+    if processed is not None:
+        check(processed.shape == (B, V) and processed.dtype == torch.float32
+              and processed.stride(1) == 1, f"processed must be [{B}, {V}] float32")
+    if allowed is not None:
+        check(allowed.shape == (B, cdiv(V, 32)) and allowed.dtype == torch.int32
+              and allowed.stride(1) == 1, f"allowed must be [{B}, {cdiv(V, 32)}] int32")
     tokens = empty((B,), torch.int64, logits.device)
     logprobs = empty((B,), torch.float32, logits.device)
     if B == 0:
@@ -214,16 +255,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     block_b = min(256, next_pow2(B)) if INTERPRET else 1
     block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
     grid = (cdiv(B, block_b),)
+    proc = logits if processed is None else processed
+    mask = tokens if allowed is None else allowed  # (any tensor: never read without HAS_MASK)
     launch(_sample_kernel, grid,
-        logits, temperature, top_k, top_p, seeds, tokens, logprobs, logits.stride(0), B, V,
+        logits, proc, mask, temperature, top_k, top_p, seeds, tokens, logprobs,
+        logits.stride(0), proc.stride(0), mask.stride(0), B, V,
         APPLY_TOP_K=any_top_k and not all_greedy, APPLY_TOP_P=any_top_p and not all_greedy,
-        ALL_GREEDY=all_greedy, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+        ALL_GREEDY=all_greedy, HAS_PROC=processed is not None, HAS_MASK=allowed is not None,
+        BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
     if num_top_logprobs <= 0:
         return tokens, logprobs, None, None
     n = min(num_top_logprobs, V)
     top_ids = empty((B, n), torch.int64, logits.device)
     top_lp = empty((B, n), torch.float32, logits.device)
-    launch(_top_logprobs_kernel, grid, logits, logprobs, top_ids, top_lp, tokens,
-                               logits.stride(0), top_ids.stride(0), B, V, n,
-                               BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    launch(_top_logprobs_kernel, grid, logits, mask, logprobs, top_ids, top_lp, tokens,
+           logits.stride(0), mask.stride(0), top_ids.stride(0), B, V, n,
+           HAS_MASK=allowed is not None, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
     return tokens, logprobs, top_ids, top_lp

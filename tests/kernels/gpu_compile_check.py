@@ -94,6 +94,11 @@ def exercise(dtype):
              torch.arange(B, dtype=torch.int64))
         K.sample(logits, *p, num_top_logprobs=3)
         K.sample(logits, *p, all_greedy=True)
+        words = torch.full((B, -(-V // 32)), -1, dtype=torch.int32)
+        K.sample(logits, *p, num_top_logprobs=3, processed=logits.clone(), allowed=words)
+        toks = torch.zeros((B, 37), dtype=torch.int32)
+        ones = torch.ones(B)
+        K.apply_penalties(logits, toks, toks, toks, torch.zeros((B, 37)), ones, ones, ones)
 
 
 def resources(cubin: bytes) -> str:
@@ -188,7 +193,9 @@ def _coverage(enforce_eager: bool) -> int:
     variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3),
                 SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=5),
                 SamplingParams(temperature=0.8, top_p=0.9),
-                SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logprobs=2)]
+                SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logprobs=2),
+                SamplingParams(temperature=0.0, frequency_penalty=0.5, logit_bias={3: 2.0}),
+                SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.2, logprobs=1)]
     ids = iter(range(10**6))
     step = iter(range(1, 10**6))
 

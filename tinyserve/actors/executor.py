@@ -135,6 +135,8 @@ class Executor:
                 if token is None:
                     continue
                 s = msgspec.structs.replace(s, token_ids=s.token_ids[:-1] + (token,))
+                if s.output_ids and s.output_ids[-1] == PLACEHOLDER:  # the same token
+                    s = msgspec.structs.replace(s, output_ids=s.output_ids[:-1] + (token,))
             seqs.append(s)
         return msgspec.structs.replace(plan, seqs=tuple(seqs))
 

@@ -32,6 +32,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+import msgspec
+
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.sequence import SeqStatus, Sequence, mix_seed
 from tinyserve.messages import PLACEHOLDER, ScheduledSeq, StepPlan, StepResult
@@ -228,10 +230,26 @@ class Scheduler:
             start_pos=start, new_blocks=tuple(seq.block_ids[first:]), sample=sample,
             params=seq.params, seed=mix_seed(seq.seed, seq.num_output_tokens + seq.num_pending),
             epoch=seq.num_preemptions, first_block=first)
+        if sample and seq.params.penalized:
+            entry = self._with_history(entry, seq)
         seq.blocks_sent = len(seq.block_ids)
         seq.num_inflight += n
         seq.num_pending += sample
         return entry
+
+    def _with_history(self, entry: ScheduledSeq, seq: Sequence) -> ScheduledSeq:
+        """What the runner needs to process this draw's logits: O(output) per step, paid
+        only by requests that ask for penalties, logit_bias or min_tokens."""
+        p = seq.params
+        drawn = seq.num_output_tokens + seq.num_pending
+        banned: tuple[int, ...] = ()
+        if drawn < p.min_tokens:  # vLLM: no stop token before min_tokens
+            eos = () if p.ignore_eos else tuple(self.cfg.eos_token_ids)
+            banned = tuple(sorted(set(p.stop_token_ids) | set(eos)))
+        return msgspec.structs.replace(
+            entry, output_ids=tuple(seq.output_token_ids) + (PLACEHOLDER,) * seq.num_pending,
+            prompt_ids=seq.prompt_token_ids if p.repetition_penalty != 1.0 else None,
+            banned=banned)
 
     def _release(self, seq: Sequence) -> None:
         """Free the sequence's blocks; the runner drops its block-table row with the next plan."""

@@ -27,8 +27,9 @@ import torch
 
 from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.loader import ModelConfig
+from tinyserve.engine.logits_processing import penalty_lists
 from tinyserve.engine.model import ForwardBatch, KVCache, LlamaModel
-from tinyserve.kernels import sample, update_block_table
+from tinyserve.kernels import apply_penalties, sample, update_block_table
 from tinyserve.kernels.utils import Recording, next_pow2, recording
 from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
 
@@ -363,7 +364,8 @@ class ModelRunner:
             logits, temperature, top_k, top_p, seeds, num_top,
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
-            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params))
+            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
+            processed=self._processed(logits, seqs))
         tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
         if top_ids is None:
             return tuple(SeqOutput(s.seq_id, t, lp, None if p.logprobs is None else ())
@@ -377,6 +379,25 @@ class ModelRunner:
                 top = tuple(zip(ids[: p.logprobs], lps[: p.logprobs], strict=True))
             out.append(SeqOutput(s.seq_id, tokens_l[i], lps_l[i], top))
         return tuple(out)
+
+    def _processed(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """logits [n, V] after penalties and logit_bias (None: no row asks for them). In place
+        unless someone wants logprobs, which vLLM reports from the raw logits."""
+        lists = penalty_lists(seqs)
+        if lists is None:
+            return None
+        processed = logits
+        if any(s.params.logprobs is not None for s in seqs):
+            processed = torch.empty_like(logits)
+            processed.copy_(logits)
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+
+        apply_penalties(processed, put(lists.tokens), put(lists.counts), put(lists.in_prompt),
+                        put(lists.bias), put(lists.rep), put(lists.freq), put(lists.pres))
+        return processed
 
     def _sampling_tensors(self, seqs: list[ScheduledSeq], params: list[SamplingParams]):
         dev = self.device

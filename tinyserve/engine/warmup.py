@@ -19,6 +19,7 @@ import torch
 from tinyserve.engine.model import ForwardBatch
 from tinyserve.kernels import sample, update_block_table
 from tinyserve.kernels.utils import INTERPRET
+from tinyserve.messages import SamplingParams, ScheduledSeq
 
 if TYPE_CHECKING:
     from tinyserve.engine.runner import ModelRunner
@@ -28,6 +29,12 @@ log = logging.getLogger(__name__)
 # Sampling variants the warm-up runs: (all_greedy, any_top_k, any_top_p, top logprobs).
 SAMPLING_VARIANTS = ((True, False, False, 0), (False, False, False, 0), (False, True, False, 0),
                      (False, False, True, 0), (False, True, True, 0), (True, False, False, 2))
+
+
+# A draw with every kind of logits processing (warms the penalties kernel).
+_PENALIZED = ScheduledSeq(0, (0,), 0, (), True, SamplingParams(
+    presence_penalty=0.5, repetition_penalty=1.1, logit_bias={0: 1.0}, min_tokens=1), 0,
+    output_ids=(0,), prompt_ids=(0,), banned=(0,))
 
 
 def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
@@ -70,10 +77,16 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
     launches = 0
     for B in sizes:
         logits = torch.zeros((B, runner.cfg.vocab_size), dtype=torch.float32, device=runner.device)
+        words = torch.full((B, -(-runner.cfg.vocab_size // 32)), -1, dtype=torch.int32,
+                           device=runner.device)
         for greedy, top_k, top_p, n_top in SAMPLING_VARIANTS:
-            sample(logits, *_sampling_tensors_for(runner, B), n_top, all_greedy=greedy,
-                   any_top_k=top_k, any_top_p=top_p)
-            launches += 1
+            # as is, after penalties (a processed copy), under a grammar mask, both
+            for processed, allowed in ((None, None), (logits, None), (None, words),
+                                       (logits, words)):
+                sample(logits, *_sampling_tensors_for(runner, B), n_top, all_greedy=greedy,
+                       any_top_k=top_k, any_top_p=top_p, processed=processed, allowed=allowed)
+                launches += 1
+        runner._processed(logits, [_PENALIZED] * B)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),
