@@ -109,8 +109,8 @@ def test_requests_flow_through_the_actors(tokenizer):
                 assert "".join(o.text for o in outs)
             assert g.batcher.num_requests == 0 and g.core.kv.usage == 0.0
             text = g.metrics.render().decode()
-            assert 'tinyserve:request_success_total{finished_reason="length",model="m"} 6.0' \
-                in text
+            assert ('tinyserve:request_success_total{finished_reason="length",model="m",'
+                    'model_name="m"} 6.0') in text
     asyncio.run(main())
 
 

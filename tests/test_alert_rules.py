@@ -24,8 +24,11 @@ SEVERITIES = {"page", "ticket"}
 # What the server exports (tinyserve/actors/metrics.py), by kind, without the prefix.
 P = "tinyserve:"
 HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds",
-              "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
-              "request_generation_tokens", "iteration_tokens"}
+              "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_inference_time_seconds",
+              "request_prefill_time_seconds", "request_decode_time_seconds",
+              "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+              "request_params_max_tokens", "iteration_tokens_total"}
 GAUGES = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
           "degradation_level", "slo_limit"}
 INFOS = {"cache_config"}  # exported as cache_config_info
@@ -165,7 +168,7 @@ def test_metric_check_accepts() -> None:
     ok = ('histogram_quantile(0.95, sum by (le, model) '
           '(rate(tinyserve:time_to_first_token_seconds_bucket[5m]))) '
           '+ tinyserve:kv_cache_usage_perc + rate(tinyserve:request_errors_total{code=~"5.."}[1m]) '
-          '+ tinyserve:cache_config_info + tinyserve:iteration_tokens_sum')
+          '+ tinyserve:cache_config_info + tinyserve:iteration_tokens_total_sum')
     assert not unknown_metrics(ok)
 
 

@@ -154,6 +154,8 @@ def test_load_from_metrics_sums_models_and_takes_the_fullest_kv():
         'tinyserve:kv_cache_usage_perc{model="a"} 0.25',
         'tinyserve:kv_cache_usage_perc{model="b"} 0.75', ""])
     assert load_from_metrics(text) == {"running": 4.0, "waiting": 7.0, "kv_usage": 0.75}
+    # a replica run with --metrics-namespace vllm reads the same
+    assert load_from_metrics(text.replace("tinyserve:", "vllm:")) == load_from_metrics(text)
 
 
 def test_fleet_config_validation():

@@ -31,7 +31,10 @@ FILES = sorted(K8S_DIR.rglob("*.yaml")) + sorted(K8S_DIR.rglob("*.yml"))
 # sample names a PromQL query or a scraper can use.
 _HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
                "e2e_request_latency_seconds", "request_queue_time_seconds",
-               "request_prompt_tokens", "request_generation_tokens", "iteration_tokens")
+               "request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total",
+               "request_time_per_output_token_seconds", "request_inference_time_seconds",
+               "request_prefill_time_seconds", "request_decode_time_seconds",
+               "request_params_n", "request_params_max_tokens")
 _GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
            "degradation_level", "slo_limit")
 _COUNTERS = ("prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
@@ -43,7 +46,7 @@ EXPORTED = frozenset(
     + [f"tinyserve:{g}" for g in _GAUGES]
     + [f"tinyserve:{c}_total" for c in _COUNTERS]
     + ["tinyserve:cache_config_info"])
-CACHE_INFO_LABELS = {"model", "block_size", "num_blocks", "num_gpu_blocks"}
+CACHE_INFO_LABELS = {"model", "model_name", "block_size", "num_blocks", "num_gpu_blocks"}
 METRIC_RE = re.compile(r"tinyserve:[A-Za-z0-9_:]*")
 
 # -- JSON schemas for the custom resources ----------------------------------------------------

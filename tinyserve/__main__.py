@@ -11,6 +11,7 @@ import sys
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from tinyserve.config import (  # noqa: E402
+    METRICS_NAMESPACES,
     EngineConfig,
     ServerConfig,
     build_models,
@@ -127,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--access-log", action="store_true",
                    help="one JSON line per API request on stdout: request id, tenant, model, "
                         "tokens, TTFT, latency, status (never keys, prompts or outputs)")
+    s.add_argument("--metrics-namespace", default="tinyserve", choices=METRICS_NAMESPACES,
+                   help="prefix of every /metrics series: vllm names them exactly as vLLM "
+                        "does (vllm:num_requests_waiting, ...), so dashboards, autoscalers "
+                        "and routers made for vLLM read tinyserve unchanged")
     return p
 
 
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level,
-            access_log=args.access_log)
+            access_log=args.access_log, metrics_namespace=args.metrics_namespace)
         Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks
     except (ValueError, OSError) as e:  # OSError: an unreadable tenants file
         print(f"error: {e}", file=sys.stderr)

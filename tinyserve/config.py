@@ -13,6 +13,7 @@ from pathlib import Path
 BUNDLED = "stories260k"  # as a model directory: the model inside the package (if no such dir)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "int8")
+METRICS_NAMESPACES = ("tinyserve", "vllm")  # the prefix of every Prometheus series name
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +292,7 @@ class ServerConfig:
     fallbacks: tuple[tuple[str, str], ...] = ()  # --fallback (parse_fallback)
     log_level: str = "info"
     access_log: bool = False  # one JSON line per API request on stdout (access_log.py)
+    metrics_namespace: str = "tinyserve"  # "vllm": series named as vLLM's, for its dashboards
 
     @property
     def tenant_list(self) -> tuple[TenantConfig, ...]:
@@ -322,3 +324,6 @@ class ServerConfig:
             raise ValueError("api_key and tenants are exclusive: put keys in the tenants file")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
+        if self.metrics_namespace not in METRICS_NAMESPACES:
+            raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
+                             f"got {self.metrics_namespace!r}")

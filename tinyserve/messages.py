@@ -29,6 +29,7 @@ import msgspec
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: bounds the detokenizer's hold-back per step
+MAX_LOGIT_BIAS = 1024  # logit_bias entries: bounds the per-step penalty lists
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,6 +43,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token (0: only the chosen one)
     skip_special_tokens: bool = True
+    # vLLM's penalties (OpenAI's presence/frequency count output tokens only; repetition
+    # counts prompt and output) and logit_bias ((token, bias) pairs; -100 bans the token).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
+    prompt_logprobs: int | None = None  # top-N per prompt token (0: only the prompt's own)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -53,6 +63,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             stop = tuple(stop)
         msgspec.structs.force_setattr(self, "stop", stop)
         msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        # vLLM clamps biases to [-100, 100]; the last entry for a token wins (as in a dict)
+        merged = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias}
+        msgspec.structs.force_setattr(self, "logit_bias", tuple(sorted(merged.items())))
         self._validate()
 
     def _validate(self) -> None:
@@ -78,10 +92,30 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if self.logprobs is not None and not (
                 isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} non-negative token ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """The logits need processing before sampling (penalties.py): per-step host work."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 # -- Batcher <-> Executor ---------------------------------------------------------------------
@@ -107,6 +141,13 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     seed: int  # this draw's seed (mix_seed(request seed, tokens drawn so far))
     epoch: int = 0  # the sequence's preemption count when planned: older results are stale
     first_block: int = 0
+    # Only for sequences whose logits are processed (params.penalized) when sampling: their
+    # output so far (a trailing PLACEHOLDER: the token the step before samples), their prompt
+    # (with a repetition penalty) and the ids banned for this draw (min_tokens). Snapshots:
+    # the scheduler's lists keep growing while the step runs.
+    output_ids: tuple[int, ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    banned: tuple[int, ...] = ()
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag=True):
@@ -153,6 +194,8 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     priority: int = 0  # the tenant's
     model: str = ""  # the served model it was routed to ("": the only one)
     internal: bool = False  # the server's own warm-up: kept out of request metrics and quotas
+    # The API request's ``n`` on its first choice, 0 on the others (metrics count it once).
+    n: int = 1
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -234,6 +277,8 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True):
     ttft_seconds: float | None
     e2e_seconds: float
     itl_seconds: tuple[float, ...]
+    max_tokens: int = 0  # the request's max_tokens (after defaults)
+    n: int = 1  # the API request's n on its first choice, 0 on the others
 
 
 class AdmissionRejected(msgspec.Struct, frozen=True, tag=True):

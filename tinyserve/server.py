@@ -98,7 +98,8 @@ class Server:
         self._tokenizers = {name: e.tokenizer for name, e in engines.items()}
         infos = {name: e.info for name, e in engines.items()}
         self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
-                               max(m.engine.max_num_batched_tokens for m in self.models))
+                               max(m.engine.max_num_batched_tokens for m in self.models),
+                               namespace=self.cfg.metrics_namespace)
         self.executor = Executor({name: e.runner.execute for name, e in engines.items()})
         lanes = []
         for spec in self.models:

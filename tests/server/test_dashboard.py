@@ -241,7 +241,8 @@ def test_variables_and_datasources(dashboard):
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), ids
     rows = [p["title"] for p in panels if p["type"] == "row"]
-    assert rows == ["Latency", "Throughput", "KV cache", "Reliability", "Tenants"]
+    assert rows == ["Latency", "Throughput", "KV cache", "Reliability", "Tenants",
+                    "Request phases and parameters"]
     for p in panels:
         if p["type"] == "row":
             continue
@@ -277,6 +278,9 @@ def test_the_issue_topics_each_have_a_panel(dashboard):
                     ["tenant, reason", "tinyserve:admission_rejections_total"],
                     ["tinyserve:fallback_requests_total"],
                     ["tinyserve:request_queue_time_seconds_bucket"],
-                    ["tinyserve:iteration_tokens_bucket"],
+                    ["tinyserve:iteration_tokens_total_bucket"],
+                    ["tinyserve:request_prefill_time_seconds_bucket",
+                     "tinyserve:request_decode_time_seconds_bucket"],
+                    ["tinyserve:request_params_n_bucket"],
                     ["num_gpu_blocks", "block_size", "tinyserve:cache_config_info"]):
         assert panel_with(*needles), needles

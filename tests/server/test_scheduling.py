@@ -137,7 +137,7 @@ def test_kv_usage_returns_to_zero_when_idle(server):
     assert status == 200
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prompt_tokens", "request_generation_tokens", "iteration_tokens",
+                 "request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total",
                  "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "cache_config_info", "prompt_tokens_total", "generation_tokens_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total",

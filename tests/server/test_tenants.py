@@ -83,8 +83,8 @@ def test_a_tenant_at_its_concurrency_limit_gets_429_and_others_do_not(srv):
         assert status == 200  # its slots came back when its requests ended
         async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
             text = await r.text()
-        assert ('tinyserve:admission_rejections_total{model="stories260k",reason="concurrency",'
-                'tenant="acme"} 1.0'
+        assert ('tinyserve:admission_rejections_total{model="stories260k",'
+                'model_name="stories260k",reason="concurrency",tenant="acme"} 1.0'
                 in text)
     asyncio.run(main())
 
@@ -188,9 +188,10 @@ def test_the_degradation_ladder_sheds_by_priority_and_caps_degradable_tenants():
         assert (await status("key-silver"))[0] == 503 and (await status("key-gold"))[0] == 200
         async with aiohttp.ClientSession() as s, s.get(srv.url + "/metrics") as r:
             text = await r.text()
-        assert ('tinyserve:admission_rejections_total{model="stories260k",reason="degraded",'
-                'tenant="bronze"} 1.0') in text
-        assert 'tinyserve:request_goodput_total{model="stories260k",tenant="gold"}' in text
+        assert ('tinyserve:admission_rejections_total{model="stories260k",'
+                'model_name="stories260k",reason="degraded",tenant="bronze"} 1.0') in text
+        assert ('tinyserve:request_goodput_total{model="stories260k",model_name="stories260k",'
+                'tenant="gold"}') in text
 
     try:
         asyncio.run(main())

@@ -196,7 +196,8 @@ class Batcher:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   msg.cache_salt, msg.priority, msg.tenant, reply_to=msg.reply_to,
-                                  arrival_time=msg.arrival_time, internal=msg.internal)
+                                  arrival_time=msg.arrival_time, internal=msg.internal,
+                                  n=msg.n)
         except ValueError as e:  # messages start with the field's name
             field = str(e).split(" ", 1)[0].rstrip(":")
             msg.reply_to.put_nowait(Failed(400, str(e), param=field))
@@ -282,7 +283,7 @@ class Batcher:
             generation_tokens=seq.num_output_tokens,
             queue_seconds=None if req.first_scheduled is None else req.first_scheduled - arrival,
             ttft_seconds=ttft, e2e_seconds=(times[-1] if times else time.monotonic()) - arrival,
-            itl_seconds=itls))
+            itl_seconds=itls, max_tokens=seq.params.max_tokens, n=req.n))
 
     def _emit_stats(self, num_tokens: int) -> None:
         sched, kv = self.core.scheduler, self.core.kv

@@ -1,7 +1,11 @@
 """Metrics actor: owns the Prometheus registry; other actors send it events.
 
-Names follow vLLM's (``vllm:`` -> ``tinyserve:``) so dashboards and routers map one to one;
-every series about a model's work carries its name as the label ``model``.
+Names, types, help and buckets follow vLLM v1's (vllm/v1/metrics/loggers.py) under the
+namespace ``tinyserve:``, or ``vllm:`` itself (``--metrics-namespace vllm``) so dashboards and
+routers made for vLLM read tinyserve unchanged. Every series about a model's work carries its
+name twice: as ``model`` (ours) and ``model_name`` (vLLM's). Not exported: vLLM's
+request_max_num_generation_tokens (needs the API request's choices together; each finishes
+alone here), its LoRA, spec-decode, sleep-state and multimodal series, and its ``engine`` label.
 Events are sent with ``emit`` (never blocks: a full inbox drops the event and counts it), so
 observability can never stall the data path. Counters are fed cumulative totals and
 turned into increments here, so a dropped StepStats loses nothing.
@@ -14,6 +18,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from tinyserve.config import METRICS_NAMESPACES
 from tinyserve.messages import (
     AdmissionRejected,
     RequestFailed,
@@ -24,13 +29,14 @@ from tinyserve.messages import (
 
 log = logging.getLogger(__name__)
 
-P = "tinyserve:"
+MODEL = ("model", "model_name")  # ours and vLLM's label for the served model: the same value
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 def token_buckets(max_len: int) -> list[int]:
@@ -44,90 +50,116 @@ def token_buckets(max_len: int) -> list[int]:
         base *= 10
 
 
+def iteration_buckets(max_tokens: int) -> list[int]:
+    """vLLM's 1, 8, 16, ... 16384, doubled on up to a larger step budget."""
+    out = [1] + [2**k for k in range(3, 15)]
+    while out[-1] < max_tokens:
+        out.append(out[-1] * 2)
+    return out
+
+
 class Metrics:
-    def __init__(self, max_model_len: int, max_num_batched_tokens: int, inbox_size: int = 10_000):
+    def __init__(self, max_model_len: int, max_num_batched_tokens: int, inbox_size: int = 10_000,
+                 namespace: str = "tinyserve"):
+        if namespace not in METRICS_NAMESPACES:
+            raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
+                             f"got {namespace!r}")
+        self.namespace = namespace
         r = self.registry = CollectorRegistry()
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_size)
+        p = namespace + ":"
+
+        def per_model(cls, name: str, doc: str, *labels: str, **kw):
+            """A series about one model's work: labels model and model_name, then ``labels``."""
+            return cls(p + name, doc, [*MODEL, *labels], registry=r, **kw)
+
+        H, G, C = Histogram, Gauge, Counter
         tb = token_buckets(max_model_len)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS,
-                              labelnames=["model"], registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens",
-                             buckets=ITL_BUCKETS,
-                              labelnames=["model"], registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=E2E_BUCKETS,
-                              labelnames=["model"], registry=r)
-        self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling",
-                               buckets=TTFT_BUCKETS,
-                              labelnames=["model"], registry=r)
-        self.prompt_hist = Histogram(P + "request_prompt_tokens", "Prompt tokens per request",
-                                     buckets=tb,
-                              labelnames=["model"], registry=r)
-        self.gen_hist = Histogram(P + "request_generation_tokens", "Output tokens per request",
-                                  buckets=tb,
-                              labelnames=["model"], registry=r)
-        self.iter_tokens = Histogram(P + "iteration_tokens", "Tokens computed per step",
-                                     buckets=token_buckets(max_num_batched_tokens),
-                              labelnames=["model"], registry=r)
-        self.running = Gauge(P + "num_requests_running", "Requests in the running batch",
-                             labelnames=["model"], registry=r)
-        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting to run",
-                              labelnames=["model"], registry=r)
-        self.kv_usage = Gauge(P + "kv_cache_usage_perc",
-                              "KV blocks referenced by live requests (0-1); cached but "
-                              "unreferenced blocks count as free",
-                              labelnames=["model"], registry=r)
-        self.cache_info = Info(P + "cache_config", "KV cache configuration",
-                              labelnames=["model"], registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests",
-                                     labelnames=["model"], registry=r)
-        self.gen_tokens = Counter(P + "generation_tokens", "Generated tokens",
-                              labelnames=["model"], registry=r)
-        self.prefix_queries = Counter(P + "prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache",
-                              labelnames=["model"], registry=r)
-        self.prefix_hits = Counter(P + "prefix_cache_hits",
-                                   "Prompt tokens served by the prefix cache",
-                              labelnames=["model"], registry=r)
-        self.prompt_computed = Counter(P + "prompt_tokens_computed",
-                                       "Prompt tokens run through the model (prefix-cache hits "
-                                       "excluded, recomputes after preemption included)",
-                                       labelnames=["model"], registry=r)
-        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted",
-                              labelnames=["model"], registry=r)
-        self.success = Counter(P + "request_success", "Finished requests",
-                               ["model", "finished_reason"], registry=r)
-        self.errors = Counter(P + "request_errors", "Requests answered with an error",
+        # -- per request (RequestFinished)
+        self.ttft = per_model(H, "time_to_first_token_seconds", "Time to first token",
+                              buckets=TTFT_BUCKETS)
+        self.itl = per_model(H, "inter_token_latency_seconds", "Time between output tokens",
+                             buckets=ITL_BUCKETS)
+        self.tpot = per_model(H, "request_time_per_output_token_seconds", "Mean time per output "
+                              "token of a request (first to last token / tokens after the first)",
+                              buckets=ITL_BUCKETS)
+        self.e2e = per_model(H, "e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=E2E_BUCKETS)
+        self.queue = per_model(H, "request_queue_time_seconds", "Arrival to first scheduling",
+                               buckets=TTFT_BUCKETS)
+        self.inference = per_model(H, "request_inference_time_seconds",
+                                   "First scheduling to last token (running phase)",
+                                   buckets=E2E_BUCKETS)
+        self.prefill = per_model(H, "request_prefill_time_seconds",
+                                 "First scheduling to first token (prefill phase)",
+                                 buckets=E2E_BUCKETS)
+        self.decode = per_model(H, "request_decode_time_seconds",
+                                "First token to last token (decode phase)", buckets=E2E_BUCKETS)
+        self.prompt_hist = per_model(H, "request_prompt_tokens", "Prompt tokens per request",
+                                     buckets=tb)
+        self.gen_hist = per_model(H, "request_generation_tokens", "Output tokens per request",
+                                  buckets=tb)
+        self.max_tokens = per_model(H, "request_params_max_tokens",
+                                    "The max_tokens request parameter", buckets=tb)
+        self.n = per_model(H, "request_params_n", "The n request parameter (once per API "
+                           "request)", buckets=N_BUCKETS)
+        self.prompt_tokens = per_model(C, "prompt_tokens", "Prompt tokens of finished requests")
+        self.gen_tokens = per_model(C, "generation_tokens", "Generated tokens")
+        self.success = per_model(C, "request_success", "Finished requests", "finished_reason")
+        self.goodput = per_model(C, "request_goodput", "Requests finished within the SLO "
+                                 "(TTFT and mean ITL under their targets)", "tenant")
+        # -- per step (StepStats)
+        self.iter_tokens = per_model(H, "iteration_tokens_total", "Tokens computed per step",
+                                     buckets=iteration_buckets(max_num_batched_tokens))
+        self.running = per_model(G, "num_requests_running", "Requests in the running batch")
+        self.waiting = per_model(G, "num_requests_waiting", "Requests waiting to run")
+        self.kv_usage = per_model(G, "kv_cache_usage_perc",
+                                  "KV blocks referenced by live requests (0-1); cached but "
+                                  "unreferenced blocks count as free")
+        self.prefix_queries = per_model(C, "prefix_cache_queries",
+                                        "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = per_model(C, "prefix_cache_hits",
+                                     "Prompt tokens served by the prefix cache")
+        self.prompt_computed = per_model(C, "prompt_tokens_computed",
+                                         "Prompt tokens run through the model (prefix-cache "
+                                         "hits excluded, recomputes after preemption included)")
+        self.preemptions = per_model(C, "num_preemptions", "Sequences preempted")
+        self.degradation = per_model(G, "degradation_level",
+                                     "0 normal; 1 shedding the lowest priority; 2 and capping "
+                                     "degradable tenants; 3 only the highest priority")
+        self.slo_limit = per_model(G, "slo_limit", "Requests the SLO controller lets the server "
+                                   "hold (running + waiting); 0 without --slo-*")
+        # vLLM's deprecated names, for readers of older vLLM (endpoint pickers before v1.3 read
+        # gpu_cache_usage_perc): only under vllm:, where nothing else would show them
+        self.aliases = namespace == "vllm"
+        if self.aliases:
+            self.tpot_alias = per_model(H, "time_per_output_token_seconds", "Time between "
+                                        "output tokens (DEPRECATED in vLLM: use "
+                                        "inter_token_latency_seconds)", buckets=ITL_BUCKETS)
+            self.kv_usage_alias = per_model(G, "gpu_cache_usage_perc", "KV-cache usage (0-1); "
+                                            "DEPRECATED in vLLM: use kv_cache_usage_perc")
+        # -- admission, ingress, the server
+        self.cache_info = per_model(Info, "cache_config", "KV cache configuration")
+        self.rejections = per_model(C, "admission_rejections",
+                                    "Requests turned away by admission, by model, tenant and "
+                                    "reason: concurrency, tokens (per-minute bucket), capacity, "
+                                    "degraded (shed by the ladder), unavailable (model down)",
+                                    "tenant", "reason")
+        self.fallbacks = per_model(C, "fallback_requests", "Degradable requests for a model "
+                                   "served by its fallback, by reason: degraded (SLO ladder "
+                                   "level 2+) or down (its steps fail)", "fallback", "tenant",
+                                   "reason")
+        self.errors = Counter(p + "request_errors", "Requests answered with an error",
                               ["code"], registry=r)
-        self.degradation = Gauge(P + "degradation_level",
-                                 "0 normal; 1 shedding the lowest priority; 2 and capping "
-                                 "degradable tenants; 3 only the highest priority",
-                              labelnames=["model"], registry=r)
-        self.slo_limit = Gauge(P + "slo_limit", "Requests the SLO controller lets the server "
-                               "hold (running + waiting); 0 without --slo-*",
-                              labelnames=["model"], registry=r)
-        self.goodput = Counter(P + "request_goodput", "Requests finished within the SLO "
-                               "(TTFT and mean ITL under their targets)", ["model", "tenant"],
-                               registry=r)
-        self.rejections = Counter(P + "admission_rejections",
-                                  "Requests turned away by admission, by model, tenant and "
-                                  "reason: concurrency, tokens (per-minute bucket), capacity, "
-                                  "degraded (shed by the ladder), unavailable (model down)",
-                                  ["model", "tenant", "reason"], registry=r)
-        self.fallbacks = Counter(P + "fallback_requests", "Degradable requests for a model served "
-                                 "by its fallback, by reason: degraded (SLO ladder level 2+) or "
-                                 "down (its steps fail)", ["model", "fallback", "tenant", "reason"],
-                                 registry=r)
-        self.dropped = Counter(P + "metrics_events_dropped", "Metric events dropped (full inbox)",
+        self.dropped = Counter(p + "metrics_events_dropped", "Metric events dropped (full inbox)",
                                registry=r)
         self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
 
     def set_cache_config(self, model: str, block_size: int, num_blocks: int) -> None:
         # num_gpu_blocks is vLLM's name (prefix-aware endpoint pickers read it); num_blocks ours
-        self.cache_info.labels(model=model).info({"block_size": str(block_size),
-                                                  "num_blocks": str(num_blocks),
-                                                  "num_gpu_blocks": str(num_blocks)})
+        self.cache_info.labels(model, model).info({"block_size": str(block_size),
+                                                   "num_blocks": str(num_blocks),
+                                                   "num_gpu_blocks": str(num_blocks)})
 
     def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected
              | Rerouted) -> None:
@@ -153,49 +185,74 @@ class Metrics:
         try:
             match ev:
                 case StepStats():
-                    m = ev.model
-                    if ev.num_tokens:
-                        self.iter_tokens.labels(m).observe(ev.num_tokens)
-                    self.running.labels(m).set(ev.num_running)
-                    self.waiting.labels(m).set(ev.num_waiting)
-                    self.kv_usage.labels(m).set(ev.kv_usage)
-                    self.slo_limit.labels(m).set(ev.slo_limit)
-                    self.degradation.labels(m).set(ev.degradation_level)
-                    self._advance(self.preemptions, m, "preemptions", ev.preemptions)
-                    self._advance(self.prompt_computed, m, "prompt_tokens_computed",
-                                  ev.prompt_tokens_computed)
-                    self._advance(self.prefix_queries, m, "prefix_queries", ev.prefix_queries)
-                    self._advance(self.prefix_hits, m, "prefix_hits", ev.prefix_hits)
+                    self._step(ev)
                 case RequestFinished():
-                    m = ev.model
-                    self.success.labels(m, ev.finish_reason).inc()
-                    if ev.within_slo:
-                        self.goodput.labels(m, ev.tenant).inc()
-                    self.prompt_tokens.labels(m).inc(ev.prompt_tokens)
-                    self.gen_tokens.labels(m).inc(ev.generation_tokens)
-                    self.prompt_hist.labels(m).observe(ev.prompt_tokens)
-                    self.gen_hist.labels(m).observe(ev.generation_tokens)
-                    self.e2e.labels(m).observe(ev.e2e_seconds)
-                    if ev.queue_seconds is not None:
-                        self.queue.labels(m).observe(ev.queue_seconds)
-                    if ev.ttft_seconds is not None:
-                        self.ttft.labels(m).observe(ev.ttft_seconds)
-                    itl = self.itl.labels(m)
-                    for gap in ev.itl_seconds:
-                        itl.observe(gap)
+                    self._finished(ev)
                 case RequestFailed():
                     self.errors.labels(code=ev.code).inc()
                 case AdmissionRejected():
-                    self.rejections.labels(ev.model, ev.tenant, ev.reason).inc()
+                    self.rejections.labels(ev.model, ev.model, ev.tenant, ev.reason).inc()
                 case Rerouted():
-                    self.fallbacks.labels(ev.model, ev.fallback, ev.tenant, ev.reason).inc()
+                    self.fallbacks.labels(ev.model, ev.model, ev.fallback, ev.tenant,
+                                          ev.reason).inc()
                 case _:
                     log.warning("metrics: unknown event %r", ev)
         except Exception:  # a bad event is logged; the actor keeps running
             log.exception("metrics: failed to apply %r", ev)
 
+    def _step(self, ev: StepStats) -> None:
+        m = ev.model
+        if ev.num_tokens:
+            self.iter_tokens.labels(m, m).observe(ev.num_tokens)
+        self.running.labels(m, m).set(ev.num_running)
+        self.waiting.labels(m, m).set(ev.num_waiting)
+        self.kv_usage.labels(m, m).set(ev.kv_usage)
+        if self.aliases:
+            self.kv_usage_alias.labels(m, m).set(ev.kv_usage)
+        self.slo_limit.labels(m, m).set(ev.slo_limit)
+        self.degradation.labels(m, m).set(ev.degradation_level)
+        self._advance(self.preemptions, m, "preemptions", ev.preemptions)
+        self._advance(self.prompt_computed, m, "prompt_tokens_computed", ev.prompt_tokens_computed)
+        self._advance(self.prefix_queries, m, "prefix_queries", ev.prefix_queries)
+        self._advance(self.prefix_hits, m, "prefix_hits", ev.prefix_hits)
+
+    def _finished(self, ev: RequestFinished) -> None:
+        m = ev.model
+        self.success.labels(m, m, ev.finish_reason).inc()
+        if ev.within_slo:
+            self.goodput.labels(m, m, ev.tenant).inc()
+        self.prompt_tokens.labels(m, m).inc(ev.prompt_tokens)
+        self.gen_tokens.labels(m, m).inc(ev.generation_tokens)
+        self.prompt_hist.labels(m, m).observe(ev.prompt_tokens)
+        self.gen_hist.labels(m, m).observe(ev.generation_tokens)
+        if ev.max_tokens:
+            self.max_tokens.labels(m, m).observe(ev.max_tokens)
+        if ev.n:  # 0: not the API request's first choice (n is counted once per API request)
+            self.n.labels(m, m).observe(ev.n)
+        # Phases, as vLLM splits them: queue (arrival -> first scheduled), prefill (-> first
+        # token), decode (-> last token); inference = prefill + decode. None: never reached.
+        e2e, queue, ttft = ev.e2e_seconds, ev.queue_seconds, ev.ttft_seconds
+        self.e2e.labels(m, m).observe(e2e)
+        if queue is not None:
+            self.queue.labels(m, m).observe(queue)
+            self.inference.labels(m, m).observe(max(0.0, e2e - queue))
+        if ttft is not None:
+            self.ttft.labels(m, m).observe(ttft)
+            decode = max(0.0, e2e - ttft)
+            self.decode.labels(m, m).observe(decode)
+            if ev.generation_tokens > 1:
+                self.tpot.labels(m, m).observe(decode / (ev.generation_tokens - 1))
+            if queue is not None:
+                self.prefill.labels(m, m).observe(max(0.0, ttft - queue))
+        itl = self.itl.labels(m, m)
+        alias = self.tpot_alias.labels(m, m) if self.aliases else None
+        for gap in ev.itl_seconds:
+            itl.observe(gap)
+            if alias is not None:
+                alias.observe(gap)
+
     def _advance(self, counter: Counter, model: str, key: str, total: int) -> None:
         last = self._totals.get((model, key), 0)
         if total > last:
-            counter.labels(model).inc(total - last)
+            counter.labels(model, model).inc(total - last)
             self._totals[model, key] = total

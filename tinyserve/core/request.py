@@ -21,6 +21,7 @@ class Request:
     reply_to: Any = None  # serving: the request's own bounded reply queue
     arrival_time: float = 0.0  # time.monotonic() at ingress
     internal: bool = False  # the server's own warm-up: kept out of request metrics
+    n: int = 1  # the API request's n on its first choice, 0 on the others (for metrics)
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already handed to the reply queue

@@ -287,10 +287,12 @@ def load_from_metrics(text: str) -> dict[str, float]:
     out = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "tinyserve:num_requests_running":
+            # either namespace (--metrics-namespace vllm publishes the same series as vllm:)
+            name = s.name.partition(":")[2] if s.name.startswith(("tinyserve:", "vllm:")) else ""
+            if name == "num_requests_running":
                 out["running"] += s.value
-            elif s.name == "tinyserve:num_requests_waiting":
+            elif name == "num_requests_waiting":
                 out["waiting"] += s.value
-            elif s.name == "tinyserve:kv_cache_usage_perc":
+            elif name == "kv_cache_usage_perc":
                 out["kv_usage"] = max(out["kv_usage"], s.value)
     return out

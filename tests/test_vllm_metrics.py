@@ -1,0 +1,206 @@
+"""vLLM's metric set: the series vLLM v1 exports exist here under its names, types and
+buckets, with vLLM's ``model_name`` label beside our ``model``; ``--metrics-namespace vllm``
+publishes every series as ``vllm:...``. Drives the Metrics actor directly with its events."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tinyserve.__main__ import build_parser, main
+from tinyserve.actors.metrics import Metrics
+from tinyserve.config import ServerConfig
+from tinyserve.messages import RequestFinished, StepStats
+
+# vLLM v1's names (vllm/v1/metrics/loggers.py), by kind, without the namespace.
+VLLM_HISTOGRAMS = {
+    "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_inference_time_seconds",
+    "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens", "request_params_n", "request_params_max_tokens",
+    "iteration_tokens_total"}
+VLLM_GAUGES = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
+VLLM_COUNTERS = {"prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
+                 "prefix_cache_queries", "prefix_cache_hits"}
+# Older vLLM names, still read by some routers and dashboards: only under vllm:
+VLLM_DEPRECATED = {"time_per_output_token_seconds": "histogram", "gpu_cache_usage_perc": "gauge"}
+
+
+def step(model="m", **kw) -> StepStats:
+    fields = dict(num_tokens=40, num_running=2, num_waiting=1, kv_usage=0.25, preemptions=1,
+                  prompt_tokens_computed=30, prefix_queries=40, prefix_hits=10, model=model)
+    return StepStats(**(fields | kw))
+
+
+def finished(model="m", **kw) -> RequestFinished:
+    fields = dict(finish_reason="length", tenant="t", model=model, within_slo=None,
+                  prompt_tokens=10, generation_tokens=5, queue_seconds=0.5, ttft_seconds=2.0,
+                  e2e_seconds=6.0, itl_seconds=(1.0, 1.0, 1.0, 1.0), max_tokens=5, n=1)
+    return RequestFinished(**(fields | kw))
+
+
+def scrape(metrics: Metrics, *events) -> dict:
+    """{sample name: {frozenset(labels): value}} after the events."""
+    out: dict = {}
+    for family in text_string_to_metric_families(scrape_text(metrics, *events)):
+        for s in family.samples:
+            out.setdefault(s.name, {})[frozenset(s.labels.items())] = s.value
+    return out
+
+
+def scrape_text(metrics: Metrics, *events) -> str:
+    for ev in events:
+        metrics.emit(ev)
+    return metrics.render().decode()
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    (v,) = [v for k, v in samples[name].items() if want <= k] or [None]
+    return v
+
+
+def families(metrics: Metrics) -> dict[str, str]:
+    return {f.name: f.type for f in metrics.registry.collect()}
+
+
+def test_vllm_names_types_and_the_model_name_label():
+    metrics = Metrics(max_model_len=128, max_num_batched_tokens=64)
+    metrics.set_cache_config("m", block_size=16, num_blocks=10)
+    got = families(metrics)
+    for names, kind in ((VLLM_HISTOGRAMS, "histogram"), (VLLM_GAUGES, "gauge"),
+                        (VLLM_COUNTERS, "counter")):
+        for name in names:
+            assert got.get("tinyserve:" + name) == kind, name
+    assert "tinyserve:iteration_tokens" not in got  # renamed to vLLM's iteration_tokens_total
+    assert not {"tinyserve:" + n for n in VLLM_DEPRECATED} & set(got)
+    samples = scrape(metrics, step(), finished())
+    for name, series in samples.items():
+        if name.endswith(("metrics_events_dropped_total", "metrics_events_dropped_created")):
+            continue  # about the server, not a model
+        for labels in series:
+            assert dict(labels)["model"] == dict(labels)["model_name"] == "m", (name, labels)
+    info = dict(next(iter(samples["tinyserve:cache_config_info"])))
+    assert info["num_gpu_blocks"] == "10" and info["model_name"] == "m"
+
+
+def test_new_series_values():
+    metrics = Metrics(max_model_len=128, max_num_batched_tokens=64)
+    samples = scrape(metrics, step(), step(num_tokens=8), finished(),
+                     finished(n=2, max_tokens=100, generation_tokens=1, queue_seconds=None,
+                              itl_seconds=(), ttft_seconds=1.0, e2e_seconds=1.0))
+    p = "tinyserve:"
+    it = p + "iteration_tokens_total"
+    assert value(samples, it + "_count", model="m") == 2
+    assert value(samples, it + "_sum", model="m") == 48
+    assert value(samples, it + "_bucket", le="8.0") == 1  # vLLM's buckets: 1, 8, 16, ...
+    assert value(samples, it + "_bucket", le="64.0") == 2
+    assert value(samples, p + "request_params_n_count") == 2
+    assert value(samples, p + "request_params_n_sum") == 3
+    assert value(samples, p + "request_params_n_bucket", le="1.0") == 1
+    assert value(samples, p + "request_params_max_tokens_sum") == 105
+    assert value(samples, p + "request_params_max_tokens_bucket", le="5.0") == 1
+    # first request: queue 0.5, TTFT 2, e2e 6; the second never queued (None): no inference
+    # or prefill observation, decode 0
+    assert value(samples, p + "request_inference_time_seconds_count") == 1
+    assert value(samples, p + "request_inference_time_seconds_sum") == 5.5
+    assert value(samples, p + "request_prefill_time_seconds_count") == 1
+    assert value(samples, p + "request_prefill_time_seconds_sum") == 1.5
+    assert value(samples, p + "request_decode_time_seconds_count") == 2
+    assert value(samples, p + "request_decode_time_seconds_sum") == 4.0
+    # per request mean TPOT: 4 s over the 4 tokens after the first; one token: none
+    assert value(samples, p + "request_time_per_output_token_seconds_count") == 1
+    assert value(samples, p + "request_time_per_output_token_seconds_sum") == 1.0
+    assert value(samples, p + "request_success_total", finished_reason="length") == 2
+    assert value(samples, p + "prompt_tokens_total") == 20
+    assert value(samples, p + "generation_tokens_total") == 6
+    assert value(samples, p + "num_preemptions_total") == 1  # a cumulative total, seen twice
+    assert value(samples, p + "prefix_cache_hits_total") == 10
+    assert value(samples, p + "kv_cache_usage_perc") == 0.25
+
+
+def test_n_zero_is_not_observed():
+    """n is the API request's n on its first choice and 0 on the others: one observation."""
+    metrics = Metrics(max_model_len=128, max_num_batched_tokens=64)
+    samples = scrape(metrics, finished(n=3), finished(n=0), finished(n=0))
+    assert value(samples, "tinyserve:request_params_n_count") == 1
+    assert value(samples, "tinyserve:request_params_n_sum") == 3
+    assert value(samples, "tinyserve:request_success_total") == 3  # every choice finished
+    assert value(samples, "tinyserve:request_params_max_tokens_count") == 3
+
+
+def test_missing_timings_are_skipped():
+    metrics = Metrics(max_model_len=128, max_num_batched_tokens=64)
+    samples = scrape(metrics, finished(queue_seconds=None, ttft_seconds=None, itl_seconds=(),
+                                       generation_tokens=0, finish_reason="abort"))
+    p = "tinyserve:"
+    assert value(samples, p + "e2e_request_latency_seconds_count") == 1
+    for name in ("request_queue_time_seconds", "time_to_first_token_seconds",
+                 "request_inference_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_time_per_output_token_seconds"):
+        assert p + name + "_count" not in samples, name
+
+
+def test_vllm_namespace_names_every_series_vllm():
+    metrics = Metrics(max_model_len=128, max_num_batched_tokens=64, namespace="vllm")
+    metrics.set_cache_config("m", block_size=16, num_blocks=10)
+    got = families(metrics)
+    assert all(name.startswith("vllm:") for name in got), sorted(got)
+    kinds = [(VLLM_HISTOGRAMS, "histogram"), (VLLM_GAUGES, "gauge"), (VLLM_COUNTERS, "counter")]
+    for names, kind in kinds + [({n}, k) for n, k in VLLM_DEPRECATED.items()]:
+        for name in names:
+            assert got.get("vllm:" + name) == kind, name
+    # the same families as under tinyserve:, plus the deprecated aliases
+    ours = {n.removeprefix("tinyserve:") for n in families(Metrics(128, 64))}
+    assert {n.removeprefix("vllm:") for n in got} == ours | set(VLLM_DEPRECATED)
+    text = scrape_text(metrics, step(), finished())
+    assert "tinyserve:" not in text
+    names = [line.split("{")[0].split(" ")[0] for line in text.splitlines() if line
+             and not line.startswith("#")]
+    assert names and all(n.startswith("vllm:") for n in names)
+    for line in ('vllm:num_requests_waiting{model="m",model_name="m"} 1.0',
+                 'vllm:kv_cache_usage_perc{model="m",model_name="m"} 0.25',
+                 'vllm:gpu_cache_usage_perc{model="m",model_name="m"} 0.25',
+                 'vllm:prompt_tokens_total{model="m",model_name="m"} 10.0',
+                 'vllm:generation_tokens_total{model="m",model_name="m"} 5.0',
+                 'vllm:num_preemptions_total{model="m",model_name="m"} 1.0',
+                 'vllm:prefix_cache_queries_total{model="m",model_name="m"} 40.0',
+                 'vllm:prefix_cache_hits_total{model="m",model_name="m"} 10.0',
+                 'vllm:request_success_total{finished_reason="length",model="m",'
+                 'model_name="m"} 1.0',
+                 'vllm:time_per_output_token_seconds_count{model="m",model_name="m"} 4.0',
+                 'vllm:inter_token_latency_seconds_count{model="m",model_name="m"} 4.0',
+                 'vllm:iteration_tokens_total_count{model="m",model_name="m"} 1.0',
+                 'vllm:cache_config_info{block_size="16",model="m",model_name="m",'
+                 'num_blocks="10",num_gpu_blocks="10"} 1.0'):
+        assert line in text, line
+
+
+def test_bad_namespace():
+    with pytest.raises(ValueError, match="metrics_namespace"):
+        Metrics(64, 64, namespace="sglang")
+    with pytest.raises(ValueError, match="metrics_namespace"):
+        ServerConfig(metrics_namespace="VLLM")
+    assert ServerConfig().metrics_namespace == "tinyserve"
+
+
+def test_cli_flag(monkeypatch, capsys):
+    assert build_parser().parse_args([]).metrics_namespace == "tinyserve"
+    assert build_parser().parse_args(["--metrics-namespace", "vllm"]).metrics_namespace == "vllm"
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--metrics-namespace", "prom"])
+    assert e.value.code == 2
+    assert "--metrics-namespace" in capsys.readouterr().err
+
+    import tinyserve.server
+
+    seen = []
+
+    async def serve(cfg, models):  # main parses, then hands ServerConfig to the server
+        seen.append(cfg)
+        return 0
+
+    monkeypatch.setattr(tinyserve.server, "serve", serve)
+    assert main(["--metrics-namespace", "vllm"]) == 0
+    assert seen[0].metrics_namespace == "vllm"
