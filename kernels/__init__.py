@@ -20,7 +20,7 @@ from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
 from tinyserve.kernels.penalties import apply_penalties  # noqa: E402
 from tinyserve.kernels.rmsnorm import add_rmsnorm  # noqa: E402
 from tinyserve.kernels.rotary import apply_rotary, rotary_and_write_kv  # noqa: E402
-from tinyserve.kernels.sampling import sample  # noqa: E402
+from tinyserve.kernels.sampling import sample, target_logprobs  # noqa: E402
 
 __all__ = [
     "add_rmsnorm",
@@ -32,6 +32,7 @@ __all__ = [
     "matmul",
     "rotary_and_write_kv",
     "sample",
+    "target_logprobs",
     "silu_and_mul",
     "token_attention_paged",
     "update_block_table",

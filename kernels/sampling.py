@@ -223,6 +223,64 @@ def _top_logprobs_kernel(
         prev_i = best_i
 
 
+@triton.jit
+def _target_logprob_kernel(
+    logits_ptr, target_ptr, logprob_ptr, rank_ptr,
+    stride_lb, B, V,
+    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Row r: log softmax(x)[target_r] and its rank (1 + tokens strictly more likely)."""
+    offs_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
+    b_ok = offs_b < B
+    offs_v = tl.arange(0, BLOCK_V)
+    rows = tl.where(b_ok, offs_b, 0)
+    row_ptrs = logits_ptr + rows[:, None] * stride_lb + offs_v[None, :]
+    target = tl.load(target_ptr + offs_b, mask=b_ok, other=0)
+    x_t = tl.load(logits_ptr + rows * stride_lb + target)
+    m = tl.full([BLOCK_B], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_B], tl.float32)
+    above = tl.zeros([BLOCK_B], tl.int64)
+    for start in range(0, V, BLOCK_V):
+        mask = (start + offs_v) < V
+        x = tl.load(row_ptrs + start, mask=mask[None, :], other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+        above += tl.sum((x > x_t[:, None]).to(tl.int64), axis=1)
+    tl.store(logprob_ptr + offs_b, x_t - (m + tl.log(s)), mask=b_ok)
+    tl.store(rank_ptr + offs_b, above + 1, mask=b_ok)
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top_logprobs: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                               torch.Tensor | None]:
+    """logits [R, V] fp32, targets [R] int64 (the token that did come next: a prompt's)
+    -> (logprobs [R], ranks [R] int64, top ids [R, N], top logprobs [R, N]); a target among
+    the top N carries the same logprob bit for bit in both."""
+    check(logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1,
+          "logits must be [R, V] float32 with unit column stride")
+    R, V = logits.shape
+    check(targets.shape == (R,) and targets.dtype == torch.int64, f"targets must be [{R}] int64")
+    logprobs = empty((R,), torch.float32, logits.device)
+    ranks = empty((R,), torch.int64, logits.device)
+    if R == 0:
+        return logprobs, ranks, None, None
+    block_b = min(256, next_pow2(R)) if INTERPRET else 1
+    block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
+    grid = (cdiv(R, block_b),)
+    launch(_target_logprob_kernel, grid, logits, targets, logprobs, ranks, logits.stride(0),
+           R, V, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    if num_top_logprobs <= 0:
+        return logprobs, ranks, None, None
+    n = min(num_top_logprobs, V)
+    top_ids = empty((R, n), torch.int64, logits.device)
+    top_lp = empty((R, n), torch.float32, logits.device)
+    launch(_top_logprobs_kernel, grid, logits, targets, logprobs, top_ids, top_lp, targets,
+           logits.stride(0), 1, top_ids.stride(0), R, V, n,
+           HAS_MASK=False, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    return logprobs, ranks, top_ids, top_lp
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seeds: torch.Tensor, num_top_logprobs: int = 0,
            *, all_greedy: bool = False, any_top_k: bool = True, any_top_p: bool = True,

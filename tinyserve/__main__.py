@@ -12,6 +12,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from tinyserve.config import (  # noqa: E402
     METRICS_NAMESPACES,
+    TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
     build_models,
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix of every /metrics series: vllm names them exactly as vLLM "
                         "does (vllm:num_requests_waiting, ...), so dashboards, autoscalers "
                         "and routers made for vLLM read tinyserve unchanged")
+    s.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="how chat output becomes tool_calls: llama3_json (Llama 3.x JSON "
+                        "calls), hermes (<tool_call> blocks); auto: hermes if the chat "
+                        "template uses <tool_call>, else llama3_json")
     return p
 
 
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level,
-            access_log=args.access_log, metrics_namespace=args.metrics_namespace)
+            access_log=args.access_log, metrics_namespace=args.metrics_namespace,
+            tool_call_parser=args.tool_call_parser)
         Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks
     except (ValueError, OSError) as e:  # OSError: an unreadable tenants file
         print(f"error: {e}", file=sys.stderr)

@@ -56,35 +56,25 @@ def _anything(v: Any) -> bool:
     return True
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
-
-
 def _no_tool_choice(v: Any) -> bool:
     return v is None or v in ("none", "auto")
 
 
 _SHARED: dict[str, Callable[[Any], bool]] = {
     # OpenAI
-    "frequency_penalty": _number(0), "presence_penalty": _number(0), "logit_bias": _no_dict,
     "best_of": _number(1), "service_tier": _anything, "store": _anything,
     "metadata": _anything, "prompt_cache_key": _anything, "safety_identifier": _anything,
     # vLLM sampling extensions
-    "repetition_penalty": _number(1), "min_tokens": _number(0), "min_p": _number(0),
+    "min_p": _number(0),
     "bad_words": _no_list, "allowed_token_ids": _none,
     "use_beam_search": _is(False), "length_penalty": _number(1),
-    "include_stop_str_in_output": _is(False),
-    "spaces_between_special_tokens": _is(True), "prompt_logprobs": _none,
-    "truncate_prompt_tokens": _none, "return_tokens_as_token_ids": _is(False),
+    "spaces_between_special_tokens": _is(True),
     "return_token_ids": _is(False), "logits_processors": _no_list, "priority": _number(0),
     "cache_salt": _none, "kv_transfer_params": _none, "vllm_xargs": _no_dict,
     "prompt_embeds": _none, "max_repetition_pattern_size": _number(0),
     "min_repetition_pattern_size": _number(0), "repetition_min_count": _number(0),
     "request_id": _anything, "guided_decoding_backend": _anything,
     "guided_whitespace_pattern": _none,
-    # vLLM structured output
-    "guided_json": _none, "guided_regex": _none, "guided_choice": _none,
-    "guided_grammar": _none, "structured_outputs": _none, "response_format": _text_format,
 }
 
 CHAT: dict[str, Callable[[Any], bool]] = {

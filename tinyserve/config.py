@@ -14,6 +14,7 @@ BUNDLED = "stories260k"  # as a model directory: the model inside the package (i
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "int8")
 METRICS_NAMESPACES = ("tinyserve", "vllm")  # the prefix of every Prometheus series name
+TOOL_CALL_PARSERS = ("auto", "llama3_json", "hermes")  # auto: hermes if the template says
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +294,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = False  # one JSON line per API request on stdout (access_log.py)
     metrics_namespace: str = "tinyserve"  # "vllm": series named as vLLM's, for its dashboards
+    tool_call_parser: str = "auto"  # how chat output becomes tool_calls (tool_parsers.py)
 
     @property
     def tenant_list(self) -> tuple[TenantConfig, ...]:
@@ -324,6 +326,9 @@ class ServerConfig:
             raise ValueError("api_key and tenants are exclusive: put keys in the tenants file")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.metrics_namespace not in METRICS_NAMESPACES:
             raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
                              f"got {self.metrics_namespace!r}")

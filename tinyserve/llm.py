@@ -30,6 +30,9 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length"
     logprobs: list[dict[int, float]] | None  # per token: top-N alternatives and the chosen one
     num_cached_tokens: int  # prompt tokens served by the prefix cache
+    # vLLM's: None for the first prompt token, then {token: logprob} with the prompt's token
+    # and the top N (SamplingParams.prompt_logprobs = N); None unless asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -79,6 +82,12 @@ class LLM:
                 entry = dict(top or ())
                 entry[token] = lp
                 logprobs.append(entry)
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None:
+            prompt_logprobs = [None]
+            for token, (lp, _, top) in zip(seq.prompt_token_ids[1:], seq.prompt_lps, strict=True):
+                prompt_logprobs.append({**dict(top), token: lp})
         return RequestOutput(seq.prompt_token_ids, tuple(seq.output_token_ids), req.detok.text,
-                             seq.finish_reason or "abort", logprobs, seq.num_cached_tokens)
+                             seq.finish_reason or "abort", logprobs, seq.num_cached_tokens,
+                             prompt_logprobs)
 

@@ -32,6 +32,15 @@ MAX_STOP_CHARS = 256  # per stop string: bounds the detokenizer's hold-back per 
 MAX_LOGIT_BIAS = 1024  # logit_bias entries: bounds the per-step penalty lists
 
 
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """Structured output (grammar.py): ``kind`` is json_object, json_schema (``value``: the
+    schema as JSON text), regex (the pattern), choice (a JSON list of strings) or grammar
+    (Lark or GBNF text)."""
+
+    kind: str
+    value: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -52,6 +61,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
     prompt_logprobs: int | None = None  # top-N per prompt token (0: only the prompt's own)
     include_stop_str_in_output: bool = False
+    guided: GrammarSpec | None = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -117,6 +127,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens)
 
+    @property
+    def needs_history(self) -> bool:
+        """Each draw's ScheduledSeq carries the output so far (penalties, a grammar)."""
+        return self.penalized or self.guided is not None
+
 
 # -- Batcher <-> Executor ---------------------------------------------------------------------
 
@@ -148,6 +163,9 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     output_ids: tuple[int, ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
     banned: tuple[int, ...] = ()
+    # prompt_logprobs: the prompt tokens that follow this chunk's first positions (one per
+    # position, while the next token is still the prompt's): their logprobs are wanted.
+    prompt_targets: tuple[int, ...] = ()
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag=True):
@@ -169,6 +187,14 @@ class SeqOutput(msgspec.Struct, frozen=True):
     top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """A chunk's prompt logprobs: entry i is for the prompt token at start_pos + i + 1."""
+
+    seq_id: int
+    start_pos: int
+    entries: tuple[tuple[float, int, tuple[tuple[int, float], ...]], ...]  # (lp, rank, top N)
+
+
 class PlanAhead(msgspec.Struct, frozen=True, tag=True):
     """Batcher to itself (a timer): time to plan the step behind the one running."""
 
@@ -178,6 +204,7 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     outputs: tuple[SeqOutput, ...]
     error: str | None = None  # the step failed; no sequence advanced
     seconds: float = 0.0  # wall time of the forward pass + sampling
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 # -- Ingress -> Admission -> Batcher ----------------------------------------------------------
@@ -245,6 +272,10 @@ class Output(msgspec.Struct, frozen=True, tag=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # On the first Output of a request that asked for them: one entry per prompt token, the
+    # first None (nothing precedes it); TokenInfo.top holds the top N, rank in prompt_ranks.
+    prompt_logprobs: tuple[TokenInfo | None, ...] | None = None
+    prompt_ranks: tuple[int, ...] = ()
 
 
 # -- -> Metrics -------------------------------------------------------------------------------

@@ -13,20 +13,24 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from tinyserve.engine.tokenizer import Tokenizer
-from tinyserve.messages import SamplingParams
+from tinyserve.messages import GrammarSpec, SamplingParams
 from tinyserve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
-    message_text,
     to_sampling_params,
 )
+from tinyserve.tools import ToolPlan, template_messages
+from tinyserve.tools import plan as tools_plan
+
+if TYPE_CHECKING:
+    from tinyserve.grammar import GrammarCompiler
 
 OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
 CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
@@ -36,8 +40,14 @@ class PromptParser:
     """One served model's view of a request: its tokenizer, context length and vocabulary."""
 
     def __init__(self, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
-                 root: str = "") -> None:
+                 root: str = "", grammars: GrammarCompiler | None = None,
+                 tool_parser: str = "auto") -> None:
         self.root = root  # the checkpoint (GET /v1/models)
+        self.grammars = grammars  # the engine's (shared with its runner: one compile cache)
+        if tool_parser == "auto":  # Hermes-style templates show calls as <tool_call> blocks
+            tool_parser = "hermes" if "<tool_call>" in (tokenizer.chat_template or "") \
+                else "llama3_json"
+        self.tool_parser = tool_parser
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
@@ -46,14 +56,16 @@ class PromptParser:
         self.max_chars = max_model_len * tokenizer.max_token_chars
 
     async def prepare(self, req: ChatCompletionRequest | CompletionRequest
-                      ) -> tuple[list[list[int]], SamplingParams]:
+                      ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
         """A decoded request (``protocol.decode_request``) routed to this model -> the token
-        ids of its prompts (one, or a completions request's batch) and sampling parameters
+        ids of its prompts (one, or a completions request's batch), sampling parameters
         (max_tokens fits the longest prompt; without one, chat gets the rest of the context
-        of the longest prompt)."""
+        of the longest prompt) and its tools (chat)."""
         chat = isinstance(req, ChatCompletionRequest)
+        tools = tools_plan(req.tools, req.tool_choice, self.tool_parser,
+                           req.parallel_tool_calls) if chat else None
         if chat:
-            prompts = [await self._chat_prompt(req)]
+            prompts = [await self._chat_prompt(req, tools=tools and tools.tools)]
         else:
             batch = _batch(req.prompt)
             prompts = []
@@ -64,6 +76,11 @@ class PromptParser:
                     if len(batch) > 1:  # which one
                         e.message = f"prompt[{i}]: {e.message}"
                     raise
+        if (k := req.truncate_prompt_tokens) is not None:  # vLLM: keep the last k tokens
+            if k < 1:
+                raise ApiError(400, f"truncate_prompt_tokens must be >= 1, got {k}",
+                               param="truncate_prompt_tokens")
+            prompts = [p[-k:] for p in prompts]
         if chat and req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
         else:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
@@ -71,7 +88,26 @@ class PromptParser:
                                 "max_tokens")
         longest = max(len(p) for p in prompts)
         max_tokens = self.max_tokens(requested, longest, param, "messages" if chat else "prompt")
-        return prompts, to_sampling_params(req, max_tokens, self.vocab_size)
+        params = to_sampling_params(req, max_tokens, self.vocab_size)
+        if tools is not None and tools.guided is not None:
+            if params.guided is not None:
+                raise ApiError(400, "tool_choice \"required\" or a named function is itself a "
+                               "structured output: send no other", param="tool_choice")
+            params = msgspec.structs.replace(params, guided=tools.guided)
+        if params.guided is not None:
+            await self._check_grammar(params.guided)
+        return prompts, params, tools
+
+    async def _check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile it now (cached for the runner): a bad or unsatisfiable one is a 400."""
+        if self.grammars is None:
+            raise ApiError(400, "structured output is not available for this model (its "
+                           "tokenizer has no EOS token)", param="response_format",
+                           code="unsupported_parameter")
+        try:
+            await _off_loop(len(spec.value), self.grammars.compile, spec)
+        except ValueError as e:
+            raise ApiError(400, f"structured output: {e}", param="response_format") from None
 
     async def tokenize(self, req: TokenizeRequest) -> list[int]:
         """``POST /tokenize``: the ids a completion or chat request with this prompt would
@@ -98,19 +134,23 @@ class PromptParser:
         return await _off_loop(len(ids) * 4, self.tokenizer.decode, ids, False)
 
     async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
-                           add_generation_prompt: bool = True) -> list[int]:
+                           add_generation_prompt: bool = True,
+                           tools: list[dict] | None = None) -> list[int]:
         if not req.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
         if len(req.messages) > self.max_model_len:  # no template renders a turn in no token
             raise ApiError(400, f"messages: {len(req.messages)} messages cannot fit in "
                            f"{self.max_model_len} tokens", param="messages",
                            code="context_length_exceeded")
-        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        messages = template_messages(req.messages)
         chars = sum(len(m["content"]) + len(m["role"]) + CHARS_PER_TURN for m in messages)
+        chars += sum(len(msgspec.json.encode(m.get("tool_calls") or "")) for m in messages)
+        if tools:
+            chars += len(msgspec.json.encode(tools))
         self._check_chars(chars, "messages")
         try:
             prompt = await _off_loop(chars, self.tokenizer.apply_chat_template, messages,
-                                     add_generation_prompt)
+                                     add_generation_prompt, tools)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         self._check_chars(len(prompt), "messages")

@@ -6,6 +6,7 @@ do not use). ``to_sampling_params`` is the one place where API fields become eng
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -13,7 +14,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from tinyserve.messages import MAX_LOGPROBS, SamplingParams
+from tinyserve.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, GrammarSpec, SamplingParams
+
+MAX_N = 64  # choices per request (n x prompts: each is a request to admission)
 
 
 class ApiError(Exception):
@@ -65,6 +68,8 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -82,6 +87,22 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False  # extension (vLLM): for benchmarks
     stop_token_ids: list[int] | None = None  # extension (vLLM): stop on these tokens
     skip_special_tokens: bool = True  # extension (vLLM): special tokens out of the text
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
+    repetition_penalty: float | None = None  # extension (vLLM)
+    min_tokens: int = 0  # extension (vLLM)
+    prompt_logprobs: int | None = None  # extension (vLLM): logprobs of the prompt's tokens
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs name token ids
+    truncate_prompt_tokens: int | None = None  # extension (vLLM): keep the prompt's last k
+    # structured output: OpenAI's response_format, or one of vLLM's guided_* / structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -89,6 +110,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None  # checked by tools.plan
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # false: one call at most ("required")
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -146,8 +170,8 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_token
     if req.top_k is not None and req.top_k > vocab_size:
         raise ApiError(400, f"top_k must be -1, 0 (disabled) or at most the vocabulary size "
                        f"{vocab_size}, got {req.top_k}", param="top_k")
-    if req.n != 1:
-        raise ApiError(400, "n: only n=1 is supported", param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if req.stop_token_ids and not all(0 <= t < vocab_size for t in req.stop_token_ids):
         raise ApiError(400, f"stop_token_ids must be token ids in the vocabulary "
                        f"[0, {vocab_size})", param="stop_token_ids")
@@ -161,8 +185,10 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_token
             raise ApiError(400, f"top_logprobs must be <= {MAX_LOGPROBS}", param="top_logprobs")
     else:
         logprobs = req.logprobs
-        if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
+    prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        # the echoed prompt's tokens carry logprobs too (as many alternatives as the output's)
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -171,10 +197,86 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_token
             top_k=0 if req.top_k is None else req.top_k,
             seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
             stop_token_ids=tuple(req.stop_token_ids or ()),
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias, vocab_size), min_tokens=req.min_tokens,
+            prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            guided=guided_spec(req))
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise ApiError(400, str(e), param=field) from None
+
+
+def guided_spec(req: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
+    """The one structured-output constraint a request asks for (400 if several)."""
+    asked: list[tuple[str, GrammarSpec]] = []
+    rf = req.response_format
+    if rf is not None and rf.get("type") != "text":
+        kind = rf.get("type")
+        if kind == "json_object":
+            asked.append(("response_format", GrammarSpec("json_object")))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format: json_schema.schema must be a JSON object",
+                               param="response_format")
+            asked.append(("response_format", GrammarSpec("json_schema", _json(schema))))
+        else:
+            raise ApiError(400, f"response_format: type must be text, json_object or "
+                           f"json_schema, got {str(kind)[:40]!r}", param="response_format")
+    if req.guided_json is not None:
+        value = req.guided_json if isinstance(req.guided_json, str) else _json(req.guided_json)
+        asked.append(("guided_json", GrammarSpec("json_schema", value)))
+    for name, kind, value in (("guided_regex", "regex", req.guided_regex),
+                              ("guided_grammar", "grammar", req.guided_grammar)):
+        if value is not None:
+            asked.append((name, GrammarSpec(kind, value)))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", GrammarSpec("choice", _json(req.guided_choice))))
+    so = req.structured_outputs or {}
+    for key, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
+                      ("grammar", "grammar"), ("json_object", "json_object")):
+        value = so.get(key)
+        if value is None or value is False:
+            continue
+        if kind == "json_object":
+            value = ""
+        elif not isinstance(value, str):
+            value = _json(value)
+        asked.append(("structured_outputs", GrammarSpec(kind, value)))
+    if len(asked) > 1:
+        raise ApiError(400, f"ask for one structured output, not {len(asked)} "
+                       f"({', '.join(n for n, _ in asked)})", param=asked[1][0])
+    return asked[0][1] if asked else None
+
+
+def _json(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries",
+                       param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise ApiError(400, f"logit_bias: {key[:40]!r} is not a token id in the vocabulary "
+                           f"[0, {vocab_size})", param="logit_bias")
+        if not math.isfinite(value):
+            raise ApiError(400, "logit_bias values must be finite numbers", param="logit_bias")
+        out.append((token, value))
+    return tuple(out)
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -213,14 +315,38 @@ class ChatLogprobs(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # None: an echoed prompt's first token
     text_offset: list[int]
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, omit_defaults=True):
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
 
 
 class ResponseMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -237,11 +363,13 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     created: int = msgspec.field(default_factory=now)
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET  # vLLM's extension
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -260,11 +388,25 @@ class ChatCompletionChunk(msgspec.Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's entry for one candidate of a prompt position (``prompt_logprobs``)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else token id (as text) ->
+# its entry, for the prompt's own token and the top N.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct):

@@ -26,13 +26,21 @@ from tinyserve.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    FunctionCall,
+    FunctionDelta,
+    PromptLogprob,
+    PromptLogprobs,
     ResponseMessage,
     TokenLogprob,
+    ToolCallDeltaOut,
+    ToolCallOut,
     TopLogprob,
     Usage,
     new_id,
     now,
 )
+from tinyserve.tool_parsers import ToolCallDelta
+from tinyserve.tools import ToolOutput, ToolPlan
 
 
 def usage(out: Output) -> Usage:
@@ -41,23 +49,35 @@ def usage(out: Output) -> Usage:
                  out.prompt_tokens + out.completion_tokens, details)
 
 
-def total_usage(finals: Sequence[Output]) -> Usage:
-    """One usage for several prompts' final outputs (a batched completions request)."""
-    prompt = sum(o.prompt_tokens for o in finals)
+def total_usage(finals: Sequence[Output], n: int = 1) -> Usage:
+    """One usage for several choices' final outputs, in choice order: ``n`` per prompt (a
+    prompt's tokens count once, as OpenAI's n does), over a batch of prompts."""
+    firsts = finals[::n]
+    prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in finals)
-    cached = sum(o.cached_tokens for o in finals)
+    cached = sum(o.cached_tokens for o in firsts)
     return Usage(prompt, completion, prompt + completion,
                  {"cached_tokens": cached} if cached else None)
 
 
 class Shaper(abc.ABC):
+    """``choices``: n per prompt, in order (choice i answers prompt i // n)."""
+
     def __init__(self, req: ChatCompletionRequest | CompletionRequest, model: str,
-                 tokenizer: Tokenizer, want_logprobs: bool) -> None:
+                 tokenizer: Tokenizer, want_logprobs: bool, choices: int = 1) -> None:
         self.model = model
         self.tok = tokenizer
         self.want_logprobs = want_logprobs
+        self.want_prompt_logprobs = req.prompt_logprobs is not None
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.created = now()
+        self.choices = choices
+        self.n = req.n
+        self.as_ids = req.return_tokens_as_token_ids  # vLLM: "token_id:{id}" for each token
+        self._finals: dict[int, Output] = {}
+
+    def _text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.tok.token_text(token_id)
 
     def opening(self) -> list[msgspec.Struct]:
         return []
@@ -66,96 +86,189 @@ class Shaper(abc.ABC):
     def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]: ...
 
     @abc.abstractmethod
-    def body(self, outs: Sequence[Output]) -> msgspec.Struct: ...
+    def body_many(self, per_choice: Sequence[Sequence[Output]]) -> msgspec.Struct: ...
+
+    def body(self, outs: Sequence[Output]) -> msgspec.Struct:
+        return self.body_many([outs])
+
+    def _final(self, out: Output, index: int) -> Usage | None:
+        """Record a choice's last Output; the usage to stream once every choice is done."""
+        if out.finish_reason is None:
+            return None
+        self._finals[index] = out
+        if self.include_usage and len(self._finals) == self.choices:
+            return total_usage([self._finals[i] for i in range(self.choices)], self.n)
+        return None
+
+    def _prompt_logprobs(self, outs: Sequence[Output]) -> PromptLogprobs | msgspec.UnsetType:
+        """vLLM's ``prompt_logprobs`` from the Output that carries them (the first)."""
+        got = next((o for o in outs if o.prompt_logprobs is not None), None)
+        if not self.want_prompt_logprobs or got is None:
+            return msgspec.UNSET
+        entries: PromptLogprobs = [None]
+        for t, rank in zip(got.prompt_logprobs[1:], got.prompt_ranks, strict=True):
+            entry = {str(i): PromptLogprob(lp, r + 1, self._text(i))
+                     for r, (i, lp) in enumerate(t.top)}
+            entry[str(t.token_id)] = PromptLogprob(t.logprob, rank,
+                                                   self._text(t.token_id))
+            entries.append(entry)
+        return entries
 
 
 class CompletionShaper(Shaper):
-    def __init__(self, *args, choices: int = 1) -> None:
-        super().__init__(*args)
+    """``echo``: each prompt's (text, token ids), sent before its choices' completions (with
+    the prompt's token logprobs when logprobs are asked for, the first one null, as OpenAI
+    does)."""
+
+    def __init__(self, *args, choices: int = 1,
+                 echo: Sequence[tuple[str, Sequence[int]]] | None = None) -> None:
+        super().__init__(*args, choices=choices)
         self.id = new_id("cmpl")
-        self.n = choices  # one per prompt of a batched request
-        self._offsets = [0] * choices  # text_offset of each choice's next streamed token
-        self._finals: dict[int, Output] = {}
+        self.echo = echo  # per prompt
+        # text_offset of each choice's next token: the running length of its tokens' texts,
+        # the same streamed or not (text a stop string holds back does not shift it)
+        self._offsets = [0] * choices
+        self._echoed = [False] * choices
 
     def _response(self, choices: list[CompletionChoice], use: Usage | None = None
                   ) -> CompletionResponse:
         return CompletionResponse(self.id, self.model, choices, self.created, use)
 
     def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
-        lp = self._logprobs(out.tokens, self._offsets[index]) if self.want_logprobs else None
-        self._offsets[index] += len(out.text)
-        got = [self._response([CompletionChoice(index, out.text, out.finish_reason, lp)])]
-        if out.finish_reason is not None:
-            self._finals[index] = out
-            if self.include_usage and len(self._finals) == self.n:  # after the last choice
-                got.append(self._response([], total_usage(list(self._finals.values()))))
+        text, tokens = out.text, list(out.tokens)
+        prompt_lps = msgspec.UNSET
+        if not self._echoed[index] and (self.echo is not None or out.prompt_logprobs):
+            self._echoed[index] = True
+            prompt_lps = self._prompt_logprobs([out])
+            if self.echo is not None:
+                prompt_text, ids = self.echo[index // self.n]
+                text = prompt_text + text
+                tokens = self._echo_tokens(out, ids) + tokens
+        lp = None
+        if self.want_logprobs:
+            lp, self._offsets[index] = self._logprobs(tokens, self._offsets[index])
+        got = [self._response([CompletionChoice(index, text, out.finish_reason, lp, prompt_lps)])]
+        if (use := self._final(out, index)) is not None:  # after the last choice
+            got.append(self._response([], use))
         return got
-
-    def body(self, outs: Sequence[Output]) -> CompletionResponse:
-        return self.body_many([outs])
 
     def body_many(self, per_choice: Sequence[Sequence[Output]]) -> CompletionResponse:
         choices = []
         for i, outs in enumerate(per_choice):
+            text = "".join(o.text for o in outs)
             tokens = [t for o in outs for t in o.tokens]
-            lp = self._logprobs(tokens, 0) if self.want_logprobs else None
-            choices.append(CompletionChoice(i, "".join(o.text for o in outs),
-                                            outs[-1].finish_reason, lp))
-        return self._response(choices, total_usage([outs[-1] for outs in per_choice]))
+            if self.echo is not None:
+                prompt_text, ids = self.echo[i // self.n]
+                text = prompt_text + text
+                first = next((o for o in outs if o.prompt_logprobs is not None), None)
+                tokens = (self._echo_tokens(first, ids) if first else []) + tokens
+            lp = self._logprobs(tokens, 0)[0] if self.want_logprobs else None
+            choices.append(CompletionChoice(i, text, outs[-1].finish_reason, lp,
+                                            self._prompt_logprobs(outs)))
+        return self._response(choices, total_usage([outs[-1] for outs in per_choice], self.n))
 
-    def _logprobs(self, tokens: Sequence[TokenInfo], offset: int) -> CompletionLogprobs:
-        strs, offsets = [], []
+    @staticmethod
+    def _echo_tokens(out: Output, ids: Sequence[int]) -> list[TokenInfo | int]:
+        """The prompt's tokens: its first as a bare id (nothing precedes it: no logprob)."""
+        if out.prompt_logprobs is None:
+            return []
+        return [ids[0], *out.prompt_logprobs[1:]]
+
+    def _logprobs(self, tokens: Sequence[TokenInfo | int], offset: int
+                  ) -> tuple[CompletionLogprobs, int]:
+        strs, offsets, lps, tops = [], [], [], []
         for t in tokens:
             offsets.append(offset)
-            s = self.tok.token_text(t.token_id)
+            if isinstance(t, int):  # an echoed prompt's first token: OpenAI's nulls
+                s = self._text(t)
+                lps.append(None)
+                tops.append(None)
+            else:
+                s = self._text(t.token_id)
+                lps.append(t.logprob)
+                tops.append(self._top(t, s))
             strs.append(s)
             offset += len(s)
-        return CompletionLogprobs(
-            tokens=strs, token_logprobs=[t.logprob for t in tokens],
-            top_logprobs=[self._top(t, s) for t, s in zip(tokens, strs)], text_offset=offsets)
+        return CompletionLogprobs(tokens=strs, token_logprobs=lps, top_logprobs=tops,
+                                  text_offset=offsets), offset
 
     def _top(self, t: TokenInfo, text: str) -> dict[str, float]:
         """The N most likely tokens, and the sampled one whether or not it is among them
         (vLLM's completions: so ``logprobs=0`` still names the sampled token)."""
-        top = {self.tok.token_text(i): lp for i, lp in t.top}
+        top = {self._text(i): lp for i, lp in t.top}
         top.setdefault(text, t.logprob)
         return top
 
 
 class ChatShaper(Shaper):
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    """``tools``: each choice's text goes through a ToolOutput (content and tool_calls)."""
+
+    def __init__(self, *args, choices: int = 1, tools: ToolPlan | None = None) -> None:
+        super().__init__(*args, choices=choices)
         self.id = new_id("chatcmpl")
+        self.tools = [ToolOutput(tools) for _ in range(choices)] if tools else None
 
     def _chunk(self, choices: list[ChatChunkChoice], use: Usage | None = None
                ) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.id, self.model, choices, self.created, use)
 
     def opening(self) -> list[msgspec.Struct]:
-        return [self._chunk([ChatChunkChoice(0, Delta(role="assistant", content=""))])]
+        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))])
+                for i in range(self.choices)]
 
     def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
         got = []
         lp = self._logprobs(out.tokens) if self.want_logprobs else None
-        if out.text or lp is not None:
-            got.append(self._chunk([ChatChunkChoice(0, Delta(content=out.text), None, lp)]))
-        if out.finish_reason is not None:
-            got.append(self._chunk([ChatChunkChoice(0, Delta(), out.finish_reason)]))
-            if self.include_usage:
-                got.append(self._chunk([], usage(out)))
+        text, calls, reason = out.text, None, out.finish_reason
+        if self.tools is not None:
+            tool = self.tools[index]
+            text, deltas = tool.feed(out.text)
+            if reason is not None:
+                more, last = tool.finish()
+                text, deltas = text + more, deltas + last
+                reason = tool.finish_reason_override or reason
+            calls = [_delta(d) for d in deltas] or None
+        if text or calls or lp is not None:
+            got.append(self._chunk([ChatChunkChoice(
+                index, Delta(content=text if text or not calls else None, tool_calls=calls),
+                None, lp)]))
+        if reason is not None:
+            got.append(self._chunk([ChatChunkChoice(index, Delta(), reason)]))
+        if (use := self._final(out, index)) is not None:  # after the last choice
+            got.append(self._chunk([], use))
         return got
 
-    def body(self, outs: Sequence[Output]) -> ChatCompletionResponse:
-        last = outs[-1]
-        lp = self._logprobs([t for o in outs for t in o.tokens]) if self.want_logprobs else None
-        choice = ChatChoice(0, ResponseMessage("assistant", "".join(o.text for o in outs)),
-                            last.finish_reason, lp)
-        return ChatCompletionResponse(self.id, self.model, [choice], usage(last), self.created)
+    def body_many(self, per_choice: Sequence[Sequence[Output]]) -> ChatCompletionResponse:
+        choices = []
+        for i, outs in enumerate(per_choice):
+            tokens = [t for o in outs for t in o.tokens]
+            lp = self._logprobs(tokens) if self.want_logprobs else None
+            text, reason = "".join(o.text for o in outs), outs[-1].finish_reason
+            message = ResponseMessage("assistant", text)
+            if self.tools is not None:
+                content, calls = self.tools[i].whole(text)
+                if calls:
+                    message = ResponseMessage("assistant", content, [
+                        ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls])
+                    reason = self.tools[i].finish_reason_override or reason
+            choices.append(ChatChoice(i, message, reason, lp))
+        return ChatCompletionResponse(
+            self.id, self.model, choices,
+            total_usage([outs[-1] for outs in per_choice], self.n), self.created,
+            prompt_logprobs=self._prompt_logprobs(per_choice[0]))
 
     def _logprobs(self, tokens: Sequence[TokenInfo]) -> ChatLogprobs:
         def entry(tid: int, lp: float) -> TopLogprob:
-            return TopLogprob(self.tok.token_text(tid), lp, self.tok.token_bytes(tid))
+            return TopLogprob(self._text(tid), lp, self.tok.token_bytes(tid))
 
         return ChatLogprobs([
             TokenLogprob(e.token, e.logprob, e.bytes, [entry(i, lp) for i, lp in t.top])
             for t in tokens for e in [entry(t.token_id, t.logprob)]])
+
+
+def _delta(d: ToolCallDelta) -> ToolCallDeltaOut:
+    """A tool call's streamed piece: the first names it (id, type, name), the rest append
+    to its arguments, as OpenAI streams them."""
+    if d.id is not None:
+        return ToolCallDeltaOut(d.index, FunctionDelta(d.name, d.arguments), d.id, "function")
+    return ToolCallDeltaOut(d.index, FunctionDelta(arguments=d.arguments))

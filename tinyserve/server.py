@@ -130,7 +130,8 @@ class Server:
             self.supervisor.watch(loop.create_task(coro, name=name))
         roots = {spec.name: spec.engine.resolved_model for spec in self.models}
         parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer,
-                                      roots[name])
+                                      roots[name], getattr(e, "grammars", None),
+                                      self.cfg.tool_call_parser)
                    for name, e in engines.items()}
         self.ingress.backend = Backend(parsers, self.admission, self.router, self.metrics,
                                        self.supervisor)

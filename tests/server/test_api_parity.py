@@ -18,12 +18,8 @@ def client(server) -> OpenAI:
 
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"5": -100}),
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function",
-     "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
-    ("repetition_penalty", 1.2), ("min_tokens", 3), ("bad_words", ["dog"]),
-    ("guided_choice", ["a", "b"]), ("echo", True), ("use_beam_search", True),
-    ("include_stop_str_in_output", True), ("prompt_logprobs", 1), ("min_p", 0.1),
+    ("bad_words", ["dog"]), ("echo", True), ("use_beam_search", True), ("min_p", 0.1),
+    ("allowed_token_ids", [1, 2]), ("continue_final_message", True), ("best_of", 2),
 ])
 def test_defined_but_unhonoured_fields_are_refused_by_name(server, field, value):
     status, body, _ = run(post(server.url, "/v1/chat/completions", {**chat("Hi"), field: value}))
@@ -32,8 +28,7 @@ def test_defined_but_unhonoured_fields_are_refused_by_name(server, field, value)
 
 
 def test_completions_refuse_their_own_unhonoured_fields(server):
-    for field, value in (("suffix", "The end."), ("best_of", 3), ("echo", True),
-                         ("logit_bias", {"1": 5})):
+    for field, value in (("suffix", "The end."), ("best_of", 3)):
         status, body, _ = run(post(server.url, "/v1/completions",
                                    {**completion("Once"), field: value}))
         assert status == 400 and body["error"]["param"] == field, body

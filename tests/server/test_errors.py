@@ -26,7 +26,7 @@ def assert_envelope(status, body, want_status, param=None):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", completion("x", temperature=-1), 400, "temperature"),
     ("/v1/completions", completion("x", top_p=0), 400, "top_p"),
-    ("/v1/completions", completion("x", n=2), 400, "n"),
+    ("/v1/completions", completion("x", n=65), 400, "n"),
     ("/v1/completions", completion([1, 5000]), 400, "prompt"),
     ("/v1/completions", completion(""), 400, "prompt"),
     ("/v1/chat/completions", chat("x", logprobs=True, top_logprobs=50), 400, "top_logprobs"),

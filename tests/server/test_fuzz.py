@@ -218,7 +218,13 @@ _bad_common = [
     (st.just("") | st.lists(_stop, min_size=17, max_size=24) | _repeat(257, 1000)
      | st.lists(_stop, max_size=2).map(lambda s: [*s, ""]) | st.lists(st.integers() | st.none(), min_size=1)
      | st.integers() | st.just({"s": "x"}), _set("stop")),
-    (st.integers(max_value=0) | st.integers(min_value=2), _set("n")),
+    (st.integers(max_value=0) | st.integers(min_value=65), _set("n")),
+    (st.floats(min_value=2.001) | st.floats(max_value=-2.001) | st.text(max_size=3),
+     _set("presence_penalty")),
+    (st.dictionaries(st.text(alphabet="abxyz_.", max_size=4), st.floats(-5, 5),
+                     min_size=1, max_size=3) | st.just({"99999": 1}) | st.just([1]),
+     _set("logit_bias")),
+    (st.integers(max_value=-1) | st.floats(), _set("min_tokens")),
     (_not_bool, _set("stream")),
     (_json.filter(lambda v: v is not None and not isinstance(v, dict))
      | st.fixed_dictionaries({"include_usage": _not_bool}), _set("stream_options")),
@@ -240,7 +246,7 @@ _bad = {
         (_bad_max_tokens, _set("max_tokens")),
         (st.integers(min_value=21) | st.integers(max_value=-1) | st.booleans() | st.text(max_size=4),
          _set("logprobs")),
-        (_not_bool.filter(lambda v: v is not False) | st.just(True), _set("echo")),
+        (_not_bool.filter(lambda v: v is not False and v is not True), _set("echo")),
         (st.none(), _delete("prompt")),
         (_deep(brackets="["), _set("prompt")),
     ],

@@ -261,11 +261,19 @@ class Batcher:
         req.sent_tokens = n_out
         if not text and not tokens and not seq.is_finished:
             return  # nothing to show yet (e.g. half a UTF-8 character held back)
+        prompt_lps, ranks = None, ()
+        if seq.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True  # once: O(prompt) on the first Output only
+            ids = seq.prompt_token_ids
+            prompt_lps = (None,) + tuple(TokenInfo(ids[p + 1], lp, top)
+                                         for p, (lp, _, top) in enumerate(seq.prompt_lps))
+            ranks = tuple(rank for _, rank, _ in seq.prompt_lps)
         reply(req, Output(
             text=text, tokens=tokens, num_new_tokens=new,
             finish_reason=seq.finish_reason if seq.is_finished else None,
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
-            cached_tokens=seq.num_cached_tokens))
+            cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_lps,
+            prompt_ranks=ranks))
 
     def _end(self, req: Request, reason: str | None) -> None:
         """Forget the request (freeing its blocks) and record how it finished; None: it failed

@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
@@ -48,12 +48,14 @@ from tinyserve.messages import (
 )
 from tinyserve.prompts import PromptParser
 from tinyserve.protocol import (
+    MAX_N,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
 )
 from tinyserve.responses import ChatShaper, CompletionShaper
+from tinyserve.tools import ToolPlan
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class _Call:
     generated: int = 0  # completion tokens seen so far (admission refunds the rest)
     accepted: bool = False  # admission forwarded it to the batcher
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
+    held: list = field(default_factory=list)  # replies read ahead (n > 1), served first
 
 
 class Ingress(InfoEndpoints):
@@ -234,10 +237,18 @@ class Ingress(InfoEndpoints):
                 raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
                                code="model_not_found")
             parser = b.parsers[model]
-            prompts, params = await parser.prepare(req)
-        if len(prompts) > 1:
+            prompts, params, tools = await parser.prepare(req)
+        chat = isinstance(req, ChatCompletionRequest)
+        if chat and req.stream and req.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs is not supported with stream in chat "
+                           "completions", param="prompt_logprobs", code="unsupported_parameter")
+        echo = None
+        if not chat and req.echo:  # the prompt as sent (a string), or its ids decoded
+            echo = [(p if isinstance(p, str) else parser.tokenizer.decode(ids), ids)
+                    for p, ids in zip(_prompt_list(req.prompt), prompts, strict=True)]
+        if len(prompts) * req.n > 1:
             return await self._generate_batch(request, req, b, parser, prompts, params, tenant,
-                                              model)
+                                              model, echo, tools)
         prompt_ids = prompts[0]
         call = _Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8), tenant.name,
                      access=access)
@@ -248,8 +259,7 @@ class Ingress(InfoEndpoints):
         try:
             await self._submit(b, call, prompt_ids, params, tenant, model)
             answering = call.lane.name
-            shaper = (ChatShaper if isinstance(req, ChatCompletionRequest) else CompletionShaper)(
-                req, answering, parser.tokenizer, params.logprobs is not None)
+            shaper = self._shaper(req, answering, parser, params, 1, echo, tools)
             if req.stream:
                 return await self._stream(request, _indexed(self._outputs(call)), shaper,
                                           answering, call.access)
@@ -271,21 +281,43 @@ class Ingress(InfoEndpoints):
             if call.accepted:
                 b.admission.release(call.rid, call.generated)
 
-    async def _generate_batch(self, request: web.Request, req: CompletionRequest, b: Backend,
+    @staticmethod
+    def _shaper(req: ChatCompletionRequest | CompletionRequest, answering: str,
+                parser: PromptParser, params: SamplingParams, choices: int,
+                echo: list | None, tools: ToolPlan | None) -> ChatShaper | CompletionShaper:
+        want = params.logprobs is not None
+        if isinstance(req, ChatCompletionRequest):
+            return ChatShaper(req, answering, parser.tokenizer, want, choices=choices,
+                              tools=tools)
+        return CompletionShaper(req, answering, parser.tokenizer, want, choices=choices,
+                                echo=echo)
+
+    async def _generate_batch(self, request: web.Request,
+                              req: ChatCompletionRequest | CompletionRequest, b: Backend,
                               parser: PromptParser, prompts: list[list[int]],
-                              params: SamplingParams, tenant: TenantConfig, model: str
+                              params: SamplingParams, tenant: TenantConfig, model: str,
+                              echo: list | None, tools: ToolPlan | None
                               ) -> web.StreamResponse:
-        """A completions request with several prompts: one request each, submitted together
-        (so they batch), answered as one response with a choice per prompt. If any is
-        refused, the others are aborted and the whole request gets that error. (A degradable
-        tenant's prompts may spill to a fallback model one by one; the response names the
-        model that answered the first.)"""
-        self._batch_fits(b, prompts, params, tenant, model)
+        """Several choices: n per prompt (several prompts: a completions batch). One request
+        each, answered as one response with a choice each (choice i answers prompt i // n).
+        The prompts' first choices are sent together (so they batch); with n > 1 the other
+        choices follow once their first has its first token, so they find its prompt in the
+        prefix cache (one prefill; each recomputes at most the prompt's last partial block).
+        If any is refused, the others are aborted and the whole request gets that error. (A
+        degradable tenant's choices may spill to a fallback model one by one; the response
+        names the model that answered the first.)"""
+        n = req.n
+        if len(prompts) * n > MAX_N:
+            raise ApiError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_N} "
+                           "choices per request", param="n")
+        ids_of = [ids for ids in prompts for _ in range(n)]
+        params_of = [_choice_params(params, j) for _ in prompts for j in range(n)]
+        self._batch_fits(b, ids_of, params, tenant, model)
         access = request.get(ACCESS)
         # The first call carries the access line's model, first output and finish reason.
         calls = [_Call(next(self._ids), asyncio.Queue(maxsize=params.max_tokens + 8),
                        tenant.name, access=access if i == 0 else None)
-                 for i in range(len(prompts))]
+                 for i in range(len(ids_of))]
         if access is not None:
             access.id, access.model, access.stream = calls[0].rid, model, req.stream
             access.prompt_tokens = sum(len(p) for p in prompts)
@@ -293,15 +325,26 @@ class Ingress(InfoEndpoints):
             call.done = True  # until sent: nothing to abort
             self._live[call.rid] = call
         try:
+            leaders = range(0, len(calls), n)
             # All sent before any answer is awaited, so they start in the same step.
-            for call, ids in zip(calls, prompts):
-                call.done = False
-                self._send(b, call, ids, params, tenant, model)
-            for call in calls:
-                await self._decided(b, call)
+            for i in leaders:
+                calls[i].done = False
+                self._send(b, calls[i], ids_of[i], params_of[i], tenant, model, n)
+            for i in leaders:
+                await self._decided(b, calls[i])
+            if n > 1:
+                for i in leaders:  # its first token: its prompt's blocks are in the cache
+                    calls[i].held.append(first := await calls[i].replies.get())
+                    if isinstance(first, Failed):
+                        continue  # (its error ends the whole request)
+                    for j in range(i + 1, i + n):
+                        calls[j].done = False
+                        self._send(b, calls[j], ids_of[j], params_of[j], tenant, model, 0)
+                for call in calls:
+                    if not call.accepted and not call.done:
+                        await self._decided(b, call)
             answering = calls[0].lane.name
-            shaper = CompletionShaper(req, answering, parser.tokenizer,
-                                      params.logprobs is not None, choices=len(calls))
+            shaper = self._shaper(req, answering, parser, params, len(calls), echo, tools)
             if req.stream:
                 return await self._stream(request, self._merged(calls), shaper, answering,
                                           access)
@@ -373,9 +416,9 @@ class Ingress(InfoEndpoints):
         await self._decided(b, call)
 
     def _send(self, b: Backend, call: _Call, prompt_ids: list[int], params: SamplingParams,
-              tenant: TenantConfig, model: str) -> None:
+              tenant: TenantConfig, model: str, n: int = 1) -> None:
         msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies,
-                     tenant.cache_salt, tenant.name, tenant.priority, model)
+                     tenant.cache_salt, tenant.name, tenant.priority, model, n=n)
         try:
             b.admission.inbox.put_nowait(msg)
         except asyncio.QueueFull:  # capacity requests are already ahead of this one
@@ -401,7 +444,7 @@ class Ingress(InfoEndpoints):
         the time the reader comes back (a reader that lags behind the steps writes several
         tokens at once, not one write per token). A Failed becomes an ApiError."""
         while True:
-            msgs = [await call.replies.get()]
+            msgs, call.held = call.held or [await call.replies.get()], []
             while not call.replies.empty() and len(msgs) < MAX_BATCH:
                 msgs.append(call.replies.get_nowait())
             outs = []
@@ -555,6 +598,20 @@ class Ingress(InfoEndpoints):
         if self.backend is None:
             raise ApiError(503, "the model is still loading", retry_after=5.0)
         return self.backend
+
+
+def _prompt_list(prompt: object) -> list:
+    """A completions ``prompt`` as the list of its prompts (as ``prompts._batch`` split it)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return prompt
+    return [prompt]
+
+
+def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of n: vLLM's seed + j, so each choice differs yet reproduces."""
+    if j == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=(params.seed + j) % 2**64)
 
 
 async def _indexed(outputs: AsyncIterator[list[Output]]) -> AsyncIterator[list[tuple[int, Output]]]:

@@ -83,15 +83,18 @@ class EngineCore:
         seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, cache_salt=cache_salt,
                        priority=priority, tenant=tenant)
         self.scheduler.add(seq)
-        req = Request(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                  params.stop, params.skip_special_tokens),
-                      **serving)
+        req = Request(seq, IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens,
+            params.include_stop_str_in_output, params.min_tokens), **serving)
         self.requests[request_id] = req
         return req
 
     def _stop_token(self, seq: Sequence) -> bool:
+        """The last token is a stop token whose text stays out of the output."""
         last, p = seq.token_ids[-1], seq.params
-        return last in p.stop_token_ids or (not p.ignore_eos and last in self.cfg.eos_token_ids)
+        if not p.ignore_eos and last in self.cfg.eos_token_ids:
+            return True
+        return last in p.stop_token_ids and not p.include_stop_str_in_output
 
     def release(self, request_id: int) -> Request | None:
         """Forget a request; one still unfinished is aborted (its blocks are freed at once)."""

@@ -33,6 +33,8 @@ class KVCacheManager:
         hits: list[int] = []
         if self.enable_prefix_caching:
             max_blocks = (seq.num_tokens - 1) // self.block_size
+            if seq.params.prompt_logprobs is not None:  # positions it still needs logits for
+                max_blocks = min(max_blocks, len(seq.prompt_lps) // self.block_size)
             hits = self.pool.lookup(seq.block_hashes(max_blocks, self.block_size))
         seq.block_ids = hits
         seq.num_committed_blocks = len(hits)

@@ -25,6 +25,7 @@ class Request:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already handed to the reply queue
+    prompt_logprobs_sent: bool = False
 
     @property
     def request_id(self) -> int:

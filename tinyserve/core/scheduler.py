@@ -230,8 +230,12 @@ class Scheduler:
             start_pos=start, new_blocks=tuple(seq.block_ids[first:]), sample=sample,
             params=seq.params, seed=mix_seed(seq.seed, seq.num_output_tokens + seq.num_pending),
             epoch=seq.num_preemptions, first_block=first)
-        if sample and seq.params.penalized:
+        if sample and seq.params.needs_history:
             entry = self._with_history(entry, seq)
+        last = seq.num_prompt_tokens - 1  # the last position whose next token is the prompt's
+        if seq.params.prompt_logprobs is not None and len(seq.prompt_lps) < last and start < last:
+            entry = msgspec.structs.replace(
+                entry, prompt_targets=seq.prompt_token_ids[start + 1:min(end, last) + 1])
         seq.blocks_sent = len(seq.block_ids)
         seq.num_inflight += n
         seq.num_pending += sample
@@ -239,7 +243,7 @@ class Scheduler:
 
     def _with_history(self, entry: ScheduledSeq, seq: Sequence) -> ScheduledSeq:
         """What the runner needs to process this draw's logits: O(output) per step, paid
-        only by requests that ask for penalties, logit_bias or min_tokens."""
+        only by requests that ask for penalties, logit_bias, min_tokens or a grammar."""
         p = seq.params
         drawn = seq.num_output_tokens + seq.num_pending
         banned: tuple[int, ...] = ()
@@ -276,6 +280,7 @@ class Scheduler:
         """
         live: dict[int, Sequence] = {}
         updated = []
+        prompt_lps = {pl.seq_id: pl for pl in result.prompt_logprobs}
         for s in plan.seqs:
             seq = self.seqs.get(s.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_preemptions != \
@@ -288,6 +293,10 @@ class Scheduler:
             seq.num_computed_tokens += len(s.token_ids)
             seq.num_inflight -= len(s.token_ids)
             self.kv.commit(seq)
+            if s.prompt_targets and (pl := prompt_lps.get(s.seq_id)) is not None:
+                have = len(seq.prompt_lps) - pl.start_pos  # (a recompute brings some again)
+                if have >= 0:
+                    seq.prompt_lps.extend(pl.entries[have:])
             if s.sample:
                 seq.num_pending -= 1
                 live[seq.seq_id] = seq

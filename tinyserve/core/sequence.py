@@ -55,6 +55,8 @@ class Sequence:
     num_inflight: int = 0
     num_pending: int = 0
     logprobs: list[tuple[float, tuple[tuple[int, float], ...] | None]] = field(default_factory=list)
+    # prompt_logprobs: entry p is (logprob, rank, top N) of prompt token p + 1, computed at p
+    prompt_lps: list[tuple[float, int, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     _block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:

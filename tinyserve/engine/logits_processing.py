@@ -1,4 +1,8 @@
-"""Host side of logits processing: the per-row token lists the penalties kernel reads.
+"""Everything between the logits and the sampled token beyond temperature/top-k/top-p:
+penalties and logit_bias (the per-row token lists the penalties kernel reads), grammar masks
+(structured output), and the prompt's own logprobs (prompt_logprobs, echo).
+
+Penalty lists:
 
 One row per sampled sequence; a row lists each distinct token it touches once:
 
@@ -14,11 +18,20 @@ that ask for it (SamplingParams.penalized).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
-from tinyserve.messages import ScheduledSeq
+from tinyserve.kernels import apply_penalties, target_logprobs
+from tinyserve.messages import PromptLogprobs, ScheduledSeq
+
+if TYPE_CHECKING:
+    from tinyserve.grammar import GrammarCompiler, Matcher
+
+log = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -75,3 +88,110 @@ def penalty_lists(seqs: Sequence[ScheduledSeq]) -> PenaltyLists | None:
     return PenaltyLists(rows, [s.params.repetition_penalty for s in seqs],
                         [s.params.frequency_penalty for s in seqs],
                         [s.params.presence_penalty for s in seqs])
+
+
+class LogitsProcessors:
+    """The runner's logits processing; its state (grammar matchers) is the worker thread's."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int],
+                 device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = device
+        self.grammars: GrammarCompiler | None = None  # structured output, set by the Engine
+        # seq id -> its grammar matcher and the output tokens it has accepted
+        self._matchers: dict[int, tuple[Matcher, list[int]]] = {}
+
+    def forget(self, seq_ids: Iterable[int]) -> None:
+        """Released sequences (a preempted one replays its output into a new matcher)."""
+        for seq_id in seq_ids:
+            self._matchers.pop(seq_id, None)
+
+    def grammar_masks(self, seqs: list[ScheduledSeq]) -> np.ndarray | None:
+        """[n, ceil(V / 32)] int32 allowed-token bits (all ones for unconstrained rows); None
+        when no row has a grammar. A row at a dead end (or whose grammar failed) may only end:
+        its EOS ids."""
+        if not any(s.params.guided is not None for s in seqs):
+            return None
+        V = self.vocab_size
+        words = np.full((len(seqs), -(-V // 32)), -1, np.int32)
+        for i, s in enumerate(seqs):
+            if s.params.guided is None:
+                continue
+            m = self._matcher(s)
+            if m is None or not m.fill(words[i]):
+                words[i] = 0
+                bits = words[i].view(np.uint32)
+                for t in self.eos_token_ids:
+                    bits[t // 32] |= np.uint32(1 << (t % 32))
+        return words
+
+    def _matcher(self, s: ScheduledSeq) -> Matcher | None:
+        """The sequence's matcher, caught up with its output (``output_ids``, the pending
+        token filled in): usually nothing to do; after a dropped stale step, a rollback."""
+        entry = self._matchers.get(s.seq_id)
+        if entry is None:
+            try:
+                entry = self._matchers[s.seq_id] = (self.grammars.matcher(s.params.guided), [])
+            except (ValueError, AttributeError):  # refused at the API; offline, it just ends
+                log.warning("seq %d: its grammar does not compile: it can only end", s.seq_id)
+                return None
+        m, accepted = entry
+        history = s.output_ids or ()
+        common = min(len(accepted), len(history))
+        while common and accepted[common - 1] != history[common - 1]:
+            common -= 1
+        if len(accepted) > common:
+            m.rollback(len(accepted) - common)
+            del accepted[common:]
+        for t in history[common:]:
+            if t < 0 or not m.accept(t):
+                break
+            accepted.append(t)
+        return m
+
+    def advance(self, seqs: list[ScheduledSeq], tokens: list[int]) -> None:
+        for s, t in zip(seqs, tokens, strict=True):
+            if s.params.guided is not None and (entry := self._matchers.get(s.seq_id)):
+                if entry[0].accept(t):
+                    entry[1].append(t)
+
+    def processed(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """logits [n, V] after penalties and logit_bias (None: no row asks for them). In place
+        unless someone wants logprobs, which vLLM reports from the raw logits."""
+        lists = penalty_lists(seqs)
+        if lists is None:
+            return None
+        processed = logits
+        if any(s.params.logprobs is not None for s in seqs):
+            processed = torch.empty_like(logits)
+            processed.copy_(logits)
+        dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+
+        apply_penalties(processed, put(lists.tokens), put(lists.counts), put(lists.in_prompt),
+                        put(lists.bias), put(lists.rep), put(lists.freq), put(lists.pres))
+        return processed
+
+    def prompt_logprobs(self, logits: torch.Tensor, seqs: list[ScheduledSeq]
+                        ) -> tuple[PromptLogprobs, ...]:
+        """logits [R, V]: the rows of every chunk's prompt_targets, in plan order."""
+        wanted = [s for s in seqs if s.prompt_targets]
+        targets = torch.tensor([t for s in wanted for t in s.prompt_targets], dtype=torch.int64,
+                               device=self.device)
+        num_top = max(s.params.prompt_logprobs or 0 for s in wanted)
+        lps, ranks, top_ids, top_lps = target_logprobs(logits, targets, num_top)
+        lps_l, ranks_l = lps.tolist(), ranks.tolist()
+        tops = list(zip(top_ids.tolist(), top_lps.tolist(), strict=True)) if num_top else None
+        out, i = [], 0
+        for s in wanted:
+            n, k = len(s.prompt_targets), s.params.prompt_logprobs or 0
+            entries = tuple((lps_l[j], ranks_l[j],
+                             tuple(zip(tops[j][0][:k], tops[j][1][:k], strict=True))
+                             if tops and k else ()) for j in range(i, i + n))
+            out.append(PromptLogprobs(s.seq_id, s.start_pos, entries))
+            i += n
+        return tuple(out)
+

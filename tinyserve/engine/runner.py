@@ -27,9 +27,9 @@ import torch
 
 from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.loader import ModelConfig
-from tinyserve.engine.logits_processing import penalty_lists
+from tinyserve.engine.logits_processing import LogitsProcessors
 from tinyserve.engine.model import ForwardBatch, KVCache, LlamaModel
-from tinyserve.kernels import apply_penalties, sample, update_block_table
+from tinyserve.kernels import sample, update_block_table
 from tinyserve.kernels.utils import Recording, next_pow2, recording
 from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
 
@@ -145,6 +145,8 @@ class ModelRunner:
         # (bucket, split class) -> (recording, its logits buffer, its CUDA graph or None)
         self._recorded: dict[tuple[int, int], tuple[Recording, torch.Tensor, object]] = {}
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        # penalties, grammar masks, prompt logprobs (its ``grammars`` set by the Engine)
+        self.logits = LogitsProcessors(cfg.vocab_size, cfg.eos_token_ids, self.device)
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -153,6 +155,7 @@ class ModelRunner:
         # Freed rows go back first; every check that can refuse the step runs before the
         # table changes (the host mirror and the device table must not part ways over it).
         self.tables.release(plan.freed)
+        self.logits.forget(plan.freed)
         max_pos = self.model.cos.shape[0]
         if seqs and max(s.start_pos + len(s.token_ids) for s in seqs) > max_pos:
             raise ValueError(f"a position is beyond the rotary table ({max_pos})")
@@ -170,9 +173,13 @@ class ModelRunner:
                 return StepResult(step_id=plan.step_id, outputs=())
             batch, sampled = self.pack(seqs, rows)
             logits = self.model.forward(batch, self.kv_cache)
+        prompt_lps = ()
+        if not bucketed and any(s.prompt_targets for s in seqs):
+            prompt_lps = self.logits.prompt_logprobs(logits[len(sampled):], seqs)
+            logits = logits[:len(sampled)]
         outputs = self._sample(logits, sampled, staged=bucketed)
         return StepResult(step_id=plan.step_id, outputs=outputs,
-                          seconds=time.perf_counter() - t0)
+                          seconds=time.perf_counter() - t0, prompt_logprobs=prompt_lps)
 
     def _push_updates(self, updates: list, statics: bool) -> None:
         st = self.statics
@@ -304,6 +311,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []
         sampled: list[ScheduledSeq] = []
         dec_rows, dec_lens, pre_rows, pre_lens, q_start = [], [], [], [], [0]
         for s, row in zip(seqs, rows, strict=True):
@@ -323,6 +331,9 @@ class ModelRunner:
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
                 sampled.append(s)
+            if s.prompt_targets:  # rows after the sampled ones (forward keeps this order)
+                first = len(input_ids) - n
+                prompt_rows.extend(range(first, first + len(s.prompt_targets)))
         max_pos = self.model.cos.shape[0]
         if positions and max(positions) >= max_pos:
             raise ValueError(f"position {max(positions)} is beyond the rotary table ({max_pos})")
@@ -340,7 +351,7 @@ class ModelRunner:
             prefill_rows=ints(pre_rows, torch.int32), prefill_seq_lens=ints(pre_lens, torch.int32),
             prefill_q_start=ints(q_start, torch.int32),
             prefill_max_q_len=max((b - a for a, b in zip(q_start, q_start[1:])), default=0),
-            logits_indices=ints(logits_rows))
+            logits_indices=ints(logits_rows + prompt_rows))
         return batch, sampled
 
     # -- sampling ---------------------------------------------------------------------------
@@ -349,6 +360,9 @@ class ModelRunner:
         """``staged``: the sampling parameters already sit in the statics (decode buckets)."""
         if not seqs:
             return ()
+        # Host work first: on a GPU the forward pass is still running (the copies below wait
+        # for it), so the grammar masks cost no step time unless they take longer than it.
+        masks = self.logits.grammar_masks(seqs)
         n, st = len(seqs), self.statics
         params = [s.params for s in seqs]
         if n > st.cap:  # an eager step with more samples than the statics hold
@@ -365,8 +379,11 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
-            processed=self._processed(logits, seqs))
+            processed=self.logits.processed(logits, seqs),
+            allowed=None if masks is None else torch.from_numpy(masks).to(self.device))
         tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
+        if masks is not None:
+            self.logits.advance(seqs, tokens_l)
         if top_ids is None:
             return tuple(SeqOutput(s.seq_id, t, lp, None if p.logprobs is None else ())
                          for s, p, t, lp in zip(seqs, params, tokens_l, lps_l, strict=True))
@@ -379,25 +396,6 @@ class ModelRunner:
                 top = tuple(zip(ids[: p.logprobs], lps[: p.logprobs], strict=True))
             out.append(SeqOutput(s.seq_id, tokens_l[i], lps_l[i], top))
         return tuple(out)
-
-    def _processed(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
-        """logits [n, V] after penalties and logit_bias (None: no row asks for them). In place
-        unless someone wants logprobs, which vLLM reports from the raw logits."""
-        lists = penalty_lists(seqs)
-        if lists is None:
-            return None
-        processed = logits
-        if any(s.params.logprobs is not None for s in seqs):
-            processed = torch.empty_like(logits)
-            processed.copy_(logits)
-        dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev)
-
-        apply_penalties(processed, put(lists.tokens), put(lists.counts), put(lists.in_prompt),
-                        put(lists.bias), put(lists.rep), put(lists.freq), put(lists.pres))
-        return processed
 
     def _sampling_tensors(self, seqs: list[ScheduledSeq], params: list[SamplingParams]):
         dev = self.device

@@ -226,8 +226,11 @@ class IncrementalDetokenizer:
     MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 byte tokens; past that, it is invalid
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | tuple[int, ...],
-                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         self._tok = tokenizer
+        self._include_stop = include_stop  # vLLM's include_stop_str_in_output
+        self._unchecked = min_tokens  # vLLM: no stop string ends the output before min_tokens
         self._ids = list(prompt_ids)
         self._prefix = max(len(self._ids) - self.WINDOW, 0)
         self._read = len(self._ids)
@@ -256,6 +259,7 @@ class IncrementalDetokenizer:
         """Append one generated token; updates ``text`` and ``stopped``."""
         if self.stopped:
             return
+        self._unchecked -= 1
         if self._skip and token_id in self._tok.special_ids:
             return  # decodes to nothing: kept out of the window, so a run of them costs O(1)
         self._ids.append(token_id)
@@ -273,15 +277,17 @@ class IncrementalDetokenizer:
         self._pieces.append(piece)
         self._len += len(piece)
         self._joined = None
+        if self._unchecked > 0:
+            return
         # Every match ends inside the new piece (an earlier one would have stopped us), and a
         # stop string's first match in it is its earliest start: take the earliest over all.
-        cut = -1
+        cut, keep = -1, 0
         for m in self._matchers:
             end = m.feed(piece)
             if end >= 0 and (cut < 0 or start + end - len(m.stop) < cut):
-                cut = start + end - len(m.stop)
+                cut, keep = start + end - len(m.stop), len(m.stop)
         if cut >= 0:
-            self._truncate(cut)
+            self._truncate(cut + keep if self._include_stop else cut)
             self.stopped = True
 
     def _truncate(self, length: int) -> None:

@@ -86,7 +86,7 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
                 sample(logits, *_sampling_tensors_for(runner, B), n_top, all_greedy=greedy,
                        any_top_k=top_k, any_top_p=top_p, processed=processed, allowed=allowed)
                 launches += 1
-        runner._processed(logits, [_PENALIZED] * B)
+        runner.logits.processed(logits, [_PENALIZED] * B)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),
