@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tinyserve.config import EngineConfig
 from tinyserve.core.engine import CoreConfig, EngineCore
 from tinyserve.engine.engine import Engine
-from tinyserve.messages import SamplingParams
+from tinyserve.messages import GrammarSpec, SamplingParams
 
 # Allocation, views, copies (host<->device, and the interpreter's own argument staging).
 ALLOWED = {
@@ -42,6 +42,13 @@ def test_engine_step_runs_no_torch_compute(tmp_path):
     core.add_request(1, [256, 1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
     core.add_request(2, [256, 9, 8], SamplingParams(max_tokens=3, temperature=0.9, top_k=5,
                                                     top_p=0.8, logprobs=2))
+    # penalties and logit_bias, a grammar mask, prompt logprobs: all on the sampling path
+    core.add_request(3, [256, 7, 7, 7], SamplingParams(
+        max_tokens=3, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3,
+        repetition_penalty=1.2, logit_bias={5: 2.0}, min_tokens=2, logprobs=1,
+        prompt_logprobs=2))
+    core.add_request(4, [256, 3], SamplingParams(max_tokens=3, temperature=0.7,
+                                                 guided=GrammarSpec("regex", "[a-z]+")))
     steps = 0
     with RecordOps() as rec:
         while core.has_unfinished:
