@@ -192,3 +192,32 @@ def test_the_sandbox_holds():
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(ValueError):
         ours(evil).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_the_api_path_renders_tools_and_calls_as_transformers(hf):
+    """A chat request as an OpenAI client sends it (arguments as a JSON string, a tool
+    message with its call id) reaches the template as transformers would render it, and
+    /tokenize with the same tools gives the same ids."""
+    import asyncio
+    import json
+
+    from tinyserve.prompts import PromptParser
+    from tinyserve.protocol import ChatCompletionRequest, TokenizeRequest, decode_request
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    wire = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    body = json.dumps({"model": "m", "messages": wire, "tools": TOOLS}).encode()
+    parser = PromptParser(4096, 512, ours(LLAMA31))
+    ids, _, tools = asyncio.run(parser.prepare(decode_request(body, ChatCompletionRequest)))
+    assert tools.mode == "auto" and parser.tool_parser == "llama3_json"
+    as_hf = [wire[0], {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    expected = theirs(hf, LLAMA31, as_hf, add_generation_prompt=True, tools=TOOLS)
+    assert ids[0] == parser.tokenizer.encode(expected, False)
+    tok_req = decode_request(json.dumps({"messages": wire, "tools": TOOLS}).encode(),
+                             TokenizeRequest)
+    assert asyncio.run(parser.tokenize(tok_req)) == ids[0]

@@ -97,7 +97,7 @@ COMPLETION: dict[str, Callable[[Any], bool]] = {
 
 TOKENIZE: dict[str, Callable[[Any], bool]] = {  # vLLM's /tokenize
     "continue_final_message": _is(False), "chat_template": _none,
-    "chat_template_kwargs": _no_dict, "tools": _no_list, "mm_processor_kwargs": _no_dict,
+    "chat_template_kwargs": _no_dict, "mm_processor_kwargs": _no_dict,
 }
 
 # Top-level fields of OpenAI's and vLLM's requests that tinyserve honours (its structs),

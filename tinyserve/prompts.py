@@ -118,7 +118,9 @@ class PromptParser:
             if req.add_special_tokens:  # vLLM's chat default is off; the template adds them
                 raise ApiError(400, "add_special_tokens is not supported with messages",
                                param="add_special_tokens", code="unsupported_parameter")
-            return await self._chat_prompt(req, req.add_generation_prompt)
+            tools = tools_plan(req.tools, None, self.tool_parser)
+            return await self._chat_prompt(req, req.add_generation_prompt,
+                                           tools=tools and tools.tools)
         self._check_chars(len(req.prompt), "prompt")
         add = True if req.add_special_tokens is None else req.add_special_tokens
         return await _off_loop(len(req.prompt), self.tokenizer.encode, req.prompt, add)

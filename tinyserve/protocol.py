@@ -441,6 +441,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True  # messages only
     return_token_strs: bool = False
     user: str | None = None  # picks a --route alias's target as a completion's would
+    tools: list[Any] | None = None  # messages only: handed to the chat template, as in chat
 
 
 class TokenizeResponse(msgspec.Struct):
