@@ -29,14 +29,14 @@ BLOCK_L_GPU, BLOCK_L_INTERPRET = 256, 1024
 @triton.jit(do_not_specialize=["stride_tb", "L"])  # L varies every step: one compile
 def _penalties_kernel(
     logits_ptr, tokens_ptr, counts_ptr, in_prompt_ptr, bias_ptr, rep_ptr, freq_ptr, pres_ptr,
-    stride_lb, stride_tb, L,
+    stride_lb, stride_tb, L, V,
     BLOCK_L: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     entry = row * stride_tb + offs
     tok = tl.load(tokens_ptr + entry, mask=offs < L, other=-1).to(tl.int64)
-    ok = tok >= 0
+    ok = (tok >= 0) & (tok < V)  # (the engine checks ids; a stray one must not hit a neighbour)
     count = tl.load(counts_ptr + entry, mask=ok, other=0).to(tl.float32)
     seen = (count > 0) | (tl.load(in_prompt_ptr + entry, mask=ok, other=0) != 0)
     bias = tl.load(bias_ptr + entry, mask=ok, other=0.0)
@@ -54,7 +54,7 @@ def apply_penalties(logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Te
     """Update logits [B, V] in place for the listed tokens [B, L] (see the module docstring)."""
     check(logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1,
           "logits must be [B, V] float32 with unit column stride")
-    B, _ = logits.shape
+    B, V = logits.shape
     check(tokens.dim() == 2 and tokens.shape[0] == B and tokens.dtype == torch.int32
           and tokens.stride(1) == 1, f"tokens must be [{B}, L] int32")
     L = tokens.shape[1]
@@ -69,4 +69,4 @@ def apply_penalties(logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Te
     block_l = BLOCK_L_INTERPRET if INTERPRET else BLOCK_L_GPU  # fixed: no compile per length
     launch(_penalties_kernel, (B, cdiv(L, block_l)),
            logits, tokens, counts, in_prompt, bias, rep, freq, pres,
-           logits.stride(0), tokens.stride(0), L, BLOCK_L=block_l, num_warps=4)
+           logits.stride(0), tokens.stride(0), L, V, BLOCK_L=block_l, num_warps=4)

@@ -39,16 +39,16 @@ def test_outputs_per_mode_whole_and_streamed():
     out = ToolOutput(plan([F], "auto", "llama3_json"))
     content, calls = out.whole(text)
     assert content is None and calls[0].name == "f" and json.loads(calls[0].arguments) == {"x": 3}
-    assert out.finish_reason_override == "tool_calls"
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
     out = ToolOutput(plan([F], "none", "llama3_json"))
-    assert out.whole(text) == (text, []) and out.finish_reason_override is None
+    assert out.whole(text) == (text, []) and out.finish_reason("stop") == "stop"
     # named: the output is the arguments, streamed as they come
     out = ToolOutput(plan([F], {"type": "function", "function": {"name": "f"}}, "hermes"))
     pieces = [out.feed('{"x"'), out.feed(": 3}"), out.finish()]
     deltas = [d for _, ds in pieces for d in ds]
     assert deltas[0].id and deltas[0].name == "f"
     assert "".join(d.arguments for d in deltas) == '{"x": 3}'
-    assert out.finish_reason_override is None  # OpenAI: a forced function ends with "stop"
+    assert out.finish_reason("stop") == "stop"  # OpenAI: a forced function ends with "stop"
     # required: the JSON list, parsed at the end; cut short, it stays content
     out = ToolOutput(plan([F, G], "required", "hermes"))
     assert out.feed('[{"name": "g", "parameters": {}}, ') == ("", [])
@@ -58,4 +58,4 @@ def test_outputs_per_mode_whole_and_streamed():
     out.feed('[{"name": "g", "parameters": {}}]')
     content, deltas = out.finish()
     assert content == "" and [d.name for d in deltas] == ["g"]
-    assert out.finish_reason_override == "tool_calls"
+    assert out.finish_reason("stop") == "tool_calls"

@@ -167,7 +167,11 @@ class GrammarCompiler:
         return Matcher(self.compile(spec))
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        grammar = llguidance.LLMatcher.grammar_from_lark(_lark(spec) + _OPTIONS)
+        try:
+            lark = _lark(spec)
+        except RecursionError:  # json.loads / dumps of a schema nested too deeply
+            raise ValueError(f"{spec.kind}: nested too deeply") from None
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark + _OPTIONS)
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0, limits=_LIMITS)
         if m.is_error():
             raise ValueError(_client_message(spec.kind, m.get_error()))

@@ -223,6 +223,8 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     internal: bool = False  # the server's own warm-up: kept out of request metrics and quotas
     # The API request's ``n`` on its first choice, 0 on the others (metrics count it once).
     n: int = 1
+    # n > 1: the first choice's id, on the others: they start once it has its first token
+    after: int | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):

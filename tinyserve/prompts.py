@@ -24,6 +24,7 @@ from tinyserve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
+    guided_field,
     to_sampling_params,
 )
 from tinyserve.tools import ToolPlan, template_messages
@@ -89,25 +90,28 @@ class PromptParser:
         longest = max(len(p) for p in prompts)
         max_tokens = self.max_tokens(requested, longest, param, "messages" if chat else "prompt")
         params = to_sampling_params(req, max_tokens, self.vocab_size)
+        field = "response_format"
         if tools is not None and tools.guided is not None:
             if params.guided is not None:
                 raise ApiError(400, "tool_choice \"required\" or a named function is itself a "
                                "structured output: send no other", param="tool_choice")
-            params = msgspec.structs.replace(params, guided=tools.guided)
+            params, field = msgspec.structs.replace(params, guided=tools.guided), "tool_choice"
+        elif params.guided is not None:
+            field = guided_field(req)[0]
         if params.guided is not None:
-            await self._check_grammar(params.guided)
+            await self._check_grammar(params.guided, field)
         return prompts, params, tools
 
-    async def _check_grammar(self, spec: GrammarSpec) -> None:
+    async def _check_grammar(self, spec: GrammarSpec, field: str) -> None:
         """Compile it now (cached for the runner): a bad or unsatisfiable one is a 400."""
         if self.grammars is None:
             raise ApiError(400, "structured output is not available for this model (its "
-                           "tokenizer has no EOS token)", param="response_format",
+                           "tokenizer has no EOS token)", param=field,
                            code="unsupported_parameter")
         try:
             await _off_loop(len(spec.value), self.grammars.compile, spec)
-        except ValueError as e:
-            raise ApiError(400, f"structured output: {e}", param="response_format") from None
+        except (ValueError, RecursionError) as e:
+            raise ApiError(400, f"structured output: {e}", param=field) from None
 
     async def tokenize(self, req: TokenizeRequest) -> list[int]:
         """``POST /tokenize``: the ids a completion or chat request with this prompt would

@@ -212,6 +212,13 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, max_token
 
 def guided_spec(req: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
     """The one structured-output constraint a request asks for (400 if several)."""
+    asked = guided_field(req)
+    return asked[1] if asked else None
+
+
+def guided_field(req: ChatCompletionRequest | CompletionRequest
+                 ) -> tuple[str, GrammarSpec] | None:
+    """(the field that asks for it, the constraint), or None."""
     asked: list[tuple[str, GrammarSpec]] = []
     rf = req.response_format
     if rf is not None and rf.get("type") != "text":
@@ -238,8 +245,11 @@ def guided_spec(req: ChatCompletionRequest | CompletionRequest) -> GrammarSpec |
     if req.guided_choice is not None:
         asked.append(("guided_choice", GrammarSpec("choice", _json(req.guided_choice))))
     so = req.structured_outputs or {}
-    for key, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
-                      ("grammar", "grammar"), ("json_object", "json_object")):
+    unknown = [k for k, v in so.items() if k not in _STRUCTURED and v not in (None, False)]
+    if unknown:
+        raise ApiError(400, f"structured_outputs.{unknown[0][:40]} is not supported by this "
+                       "server", param="structured_outputs", code="unsupported_parameter")
+    for key, kind in _STRUCTURED.items():
         value = so.get(key)
         if value is None or value is False:
             continue
@@ -251,7 +261,11 @@ def guided_spec(req: ChatCompletionRequest | CompletionRequest) -> GrammarSpec |
     if len(asked) > 1:
         raise ApiError(400, f"ask for one structured output, not {len(asked)} "
                        f"({', '.join(n for n, _ in asked)})", param=asked[1][0])
-    return asked[0][1] if asked else None
+    return asked[0] if asked else None
+
+
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice",
+               "grammar": "grammar", "json_object": "json_object"}
 
 
 def _json(value: Any) -> str:

@@ -226,7 +226,7 @@ class ChatShaper(Shaper):
             if reason is not None:
                 more, last = tool.finish()
                 text, deltas = text + more, deltas + last
-                reason = tool.finish_reason_override or reason
+                reason = tool.finish_reason(reason)
             calls = [_delta(d) for d in deltas] or None
         if text or calls or lp is not None:
             got.append(self._chunk([ChatChunkChoice(
@@ -250,7 +250,7 @@ class ChatShaper(Shaper):
                 if calls:
                     message = ResponseMessage("assistant", content, [
                         ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls])
-                    reason = self.tools[i].finish_reason_override or reason
+                    reason = self.tools[i].finish_reason(reason)
             choices.append(ChatChoice(i, message, reason, lp))
         return ChatCompletionResponse(
             self.id, self.model, choices,

@@ -72,7 +72,7 @@ def _make_call(obj: Any, tool_names: frozenset[str] | None) -> ToolCall | None:
     if isinstance(args, str):  # some models double-encode the arguments object
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -98,7 +98,7 @@ def _parse_llama3(text: str, tool_names: frozenset[str] | None) -> tuple[str | N
     while True:
         try:
             obj, pos = decoder.raw_decode(s, _skip_ws(s, pos))
-        except ValueError:
+        except (ValueError, RecursionError):
             return plain  # vLLM: "treat the tool call as regular JSON"
         call = _make_call(obj, tool_names)
         if call is None:  # not a call, or an unknown tool: the output as a whole is not calls
@@ -122,7 +122,7 @@ def _parse_hermes(text: str, tool_names: frozenset[str] | None) -> tuple[str | N
         pos = m.end()
         try:
             call = _make_call(json.loads(m.group(1)), tool_names)
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             content.append(m.group(0))
@@ -241,7 +241,7 @@ class ToolStreamParser:
                 self._in_block = False
                 try:
                     call = _make_call(json.loads(block[len(_START) : -len(_END)]), self._tool_names)
-                except ValueError:
+                except (ValueError, RecursionError):
                     call = None
                 if call is None:
                     content.append(block)

@@ -98,9 +98,12 @@ class ToolOutput:
         self._text: list[str] = []  # "required": the JSON list, parsed at the end
         self._named_id: str | None = None
 
-    @property
-    def finish_reason_override(self) -> str | None:
-        return "tool_calls" if self.called and self.plan.mode != "named" else None
+    def finish_reason(self, reason: str) -> str:
+        """vLLM's rule: a choice that stopped having called tools finished for them (one cut
+        short stays "length"); a forced function stops, as OpenAI's does."""
+        if reason == "stop" and self.called and self.plan.mode != "named":
+            return "tool_calls"
+        return reason
 
     def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
         mode = self.plan.mode
@@ -156,7 +159,7 @@ class ToolOutput:
             calls = [ToolCall(new_call_id(), it["name"],
                               json.dumps(it["parameters"], ensure_ascii=False))
                      for it in items if it.get("name") in self.plan.names]
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return text, []
         return (None, calls) if calls else (text, [])
 
@@ -174,12 +177,17 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
         if m.tool_calls:
             calls = []
             for c in m.tool_calls:
-                fn = dict(c.get("function") or {}) if isinstance(c, dict) else {}
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ApiError(400, 'messages: each tool call is {"id": ..., "type": '
+                                   '"function", "function": {"name": ..., "arguments": ...}}',
+                                   param="messages")
+                fn = dict(fn)
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:
                         fn["arguments"] = json.loads(args)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         pass
                 calls.append({**c, "function": fn})
             d["tool_calls"] = calls

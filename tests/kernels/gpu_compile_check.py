@@ -99,6 +99,7 @@ def exercise(dtype):
         toks = torch.zeros((B, 37), dtype=torch.int32)
         ones = torch.ones(B)
         K.apply_penalties(logits, toks, toks, toks, torch.zeros((B, 37)), ones, ones, ones)
+        K.target_logprobs(logits, torch.zeros(B, dtype=torch.int64), 3)
 
 
 def resources(cubin: bytes) -> str:
@@ -219,6 +220,13 @@ def _coverage(enforce_eager: bool) -> int:
             for ctx, last in ((0, True), (40, False), (1000, True)):
                 run([50 + i for i in range(d)], [(ctx, chunk, last)], variants[0])
     run([], [(0, 5, True), (3, 17, False), (0, 33, True)], variants[-1])
+    for params in (SamplingParams(temperature=0.0, prompt_logprobs=0, logprobs=1),
+                   SamplingParams(temperature=0.8, prompt_logprobs=3)):
+        for n in (2, 5, 16, 17, 40):  # prompt logprobs of a chunk of n (n - 1 targets)
+            seqs = (ScheduledSeq(next(ids), (5,) * n, 0, tuple(range(-(-n // 16))), True,
+                                 params, 0, prompt_targets=(5,) * (n - 1)),)
+            runner.execute(StepPlan(next(step), seqs))
+            runner.execute(StepPlan(next(step), (), freed=(seqs[0].seq_id,)))
     served = keys()
     missing = served - warm
     for key in sorted(missing):  # the closest warm-up key, and how this one differs

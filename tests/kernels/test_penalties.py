@@ -157,3 +157,25 @@ def test_grammar_mask_constrains_every_path(device, V):
             tokens, *_ = sample(logits, zeros + temperature, k + top_k, p * top_p,
                                 seeds + trial * 1000, allowed=mask)
             assert all(t in allowed[r] for r, t in enumerate(tokens.tolist()))
+
+
+def test_kept_histories_count_only_new_tokens_and_survive_a_dropped_step():
+    from tinyserve.engine.logits_processing import History
+
+    p = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5)
+    kept: dict = {}
+
+    def counts(output):
+        lists = penalty_lists([scheduled(p, output, [9, 9, 4])], kept)
+        row = {t: (c, i) for t, c, i in zip(lists.tokens[0].tolist(), lists.counts[0].tolist(),
+                                             lists.in_prompt[0].tolist()) if t >= 0}
+        fresh = penalty_lists([scheduled(p, output, [9, 9, 4])])  # built afresh: the same
+        assert fresh.tokens.tolist() == lists.tokens.tolist()
+        assert fresh.counts.tolist() == lists.counts.tolist()
+        return row
+
+    assert counts([5, 5]) == {4: (0, 1), 5: (2, 0), 9: (0, 1)}
+    assert counts([5, 5, 7, PLACEHOLDER]) == {4: (0, 1), 5: (2, 0), 7: (1, 0), 9: (0, 1)}
+    assert counts([5, 5, 7, 9]) == {4: (0, 1), 5: (2, 0), 7: (1, 0), 9: (1, 1)}
+    assert counts([5, 5, 8]) == {4: (0, 1), 5: (2, 0), 8: (1, 0), 9: (0, 1)}  # dropped, redrawn
+    assert isinstance(kept[0], History) and kept[0].n == 3

@@ -126,3 +126,21 @@ def test_kept_set_is_exact_with_ties_and_negative_logits(device, values, top_k, 
     keep, _ = ref_kept(row.to(device), 1.0, top_k, top_p)
     assert set(torch.nonzero(keep[0]).flatten().tolist()) == expected
     assert set(tokens.tolist()) == expected  # 512 draws reach every kept token, nothing else
+
+
+@pytest.mark.parametrize("R,V", [(1, 512), (7, 301), (40, 37)])
+def test_target_logprobs_ranks_and_top_entries(device, R, V):
+    from tinyserve.kernels import target_logprobs
+
+    g = torch.Generator().manual_seed(R * V)
+    logits = torch.randn(R, V, generator=g) * 3
+    targets = torch.randint(0, V, (R,), generator=g)
+    targets[0] = logits[0].argmax()  # a target that is the top entry
+    lp, rank, top_ids, top_lp = target_logprobs(logits.to(device), targets.to(device), 3)
+    ref = logits.log_softmax(-1)
+    torch.testing.assert_close(lp.cpu(), ref.gather(1, targets[:, None])[:, 0],
+                               atol=1e-5, rtol=1e-5)
+    want_rank = (logits > logits.gather(1, targets[:, None])).sum(-1) + 1
+    assert torch.equal(rank.cpu(), want_rank)
+    torch.testing.assert_close(top_lp.cpu(), ref.topk(3, -1).values, atol=1e-5, rtol=1e-5)
+    assert top_ids[0, 0] == targets[0] and top_lp[0, 0].item() == lp[0].item()  # bit for bit

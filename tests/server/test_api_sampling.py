@@ -231,8 +231,9 @@ def test_other_constraints(server):
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
      "response_format"),
-    ({"guided_regex": "(unclosed"}, "response_format"),
-    ({"guided_choice": []}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
 ])

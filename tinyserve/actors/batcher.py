@@ -85,6 +85,10 @@ class Batcher:
         self._step_s = {True: 0.0, False: 0.0}
         self._ahead_due = False  # time to plan the step behind the one in flight
         self._ahead_gen = 0
+        # n > 1: a request's later choices wait here until its first choice has its first
+        # token, so they find the prompt in the prefix cache (one prefill). First choice's id
+        # -> the Submits waiting on it; released when it has a token or ends.
+        self._after: dict[int, list[Submit]] = {}
 
     # -- queries (snapshots for other actors) ------------------------------------------------
     @property
@@ -148,6 +152,11 @@ class Batcher:
                     self.aborts_received += 1
                     self._on_abort(msg.request_id)
                 case AbortAll():
+                    for waiting in self._after.values():
+                        for sub in waiting:
+                            sub.reply_to.put_nowait(Failed(msg.status, msg.message,
+                                                           retry_after=5.0))
+                    self._after.clear()
                     for req in list(self.core.requests.values()):
                         reply(req, Failed(msg.status, msg.message, retry_after=5.0))
                         self._end(req, None)
@@ -193,6 +202,17 @@ class Batcher:
 
     # -- messages ----------------------------------------------------------------------------
     def _on_submit(self, msg: Submit) -> None:
+        first = self.core.requests.get(msg.after) if msg.after is not None else None
+        if first is not None and not first.token_times and not first.seq.is_finished:
+            self._after.setdefault(msg.after, []).append(msg)
+            return
+        self._add(msg)
+
+    def _release_after(self, request_id: int) -> None:
+        for msg in self._after.pop(request_id, ()):
+            self._add(msg)
+
+    def _add(self, msg: Submit) -> None:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   msg.cache_salt, msg.priority, msg.tenant, reply_to=msg.reply_to,
@@ -204,8 +224,16 @@ class Batcher:
 
     def _on_abort(self, request_id: int) -> None:
         req = self.core.requests.get(request_id)
-        if req is None:
-            return  # it finished first
+        if req is None:  # it finished first, or it is a later choice still waiting
+            for first, waiting in list(self._after.items()):
+                for sub in waiting:
+                    if sub.request_id == request_id:
+                        waiting.remove(sub)
+                        sub.reply_to.put_nowait(Output("", (), 0, finish_reason="abort"))
+                        if not waiting:
+                            del self._after[first]
+                        return
+            return
         reply(req, Output("", (), 0, finish_reason="abort"))
         self._end(req, "abort")
         self._emit_stats(0)
@@ -234,6 +262,8 @@ class Batcher:
                 else:
                     self.slo.observe(ttft=now - req.arrival_time)
             times.append(now)
+            if req.request_id in self._after:  # its prompt is in the prefix cache now
+                self._release_after(req.request_id)
             self._send(req)
             if req.seq.is_finished:
                 self._end(req, req.seq.finish_reason)
@@ -279,6 +309,8 @@ class Batcher:
         """Forget the request (freeing its blocks) and record how it finished; None: it failed
         (ingress counts the error it answered, under request_errors_total)."""
         self.core.release(req.request_id)
+        if req.request_id in self._after:  # it ended before its first token: they go ahead
+            self._release_after(req.request_id)
         if req.internal or reason is None:
             return
         seq, arrival, times = req.seq, req.arrival_time, req.token_times

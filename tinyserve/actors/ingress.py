@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
@@ -80,7 +80,6 @@ class _Call:
     generated: int = 0  # completion tokens seen so far (admission refunds the rest)
     accepted: bool = False  # admission forwarded it to the batcher
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
-    held: list = field(default_factory=list)  # replies read ahead (n > 1), served first
 
 
 class Ingress(InfoEndpoints):
@@ -244,7 +243,8 @@ class Ingress(InfoEndpoints):
                            "completions", param="prompt_logprobs", code="unsupported_parameter")
         echo = None
         if not chat and req.echo:  # the prompt as sent (a string), or its ids decoded
-            echo = [(p if isinstance(p, str) else parser.tokenizer.decode(ids), ids)
+            cut = req.truncate_prompt_tokens is not None  # (the ids are what ran)
+            echo = [(p if isinstance(p, str) and not cut else parser.tokenizer.decode(ids), ids)
                     for p, ids in zip(_prompt_list(req.prompt), prompts, strict=True)]
         if len(prompts) * req.n > 1:
             return await self._generate_batch(request, req, b, parser, prompts, params, tenant,
@@ -267,7 +267,7 @@ class Ingress(InfoEndpoints):
             async with contextlib.aclosing(self._outputs(call)) as outputs:
                 async for batch in outputs:
                     outs.extend(batch)
-            if sum(len(o.tokens) for o in outs) > OFF_LOOP_LOGPROBS:
+            if _logprob_entries(outs) > OFF_LOOP_LOGPROBS:
                 body = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: msgspec.json.encode(shaper.body(outs)))
             else:
@@ -300,9 +300,9 @@ class Ingress(InfoEndpoints):
                               ) -> web.StreamResponse:
         """Several choices: n per prompt (several prompts: a completions batch). One request
         each, answered as one response with a choice each (choice i answers prompt i // n).
-        The prompts' first choices are sent together (so they batch); with n > 1 the other
-        choices follow once their first has its first token, so they find its prompt in the
-        prefix cache (one prefill; each recomputes at most the prompt's last partial block).
+        All are sent and admitted together; with n > 1 the batcher holds the other choices
+        until their first has its first token, so they find its prompt in the prefix cache
+        (one prefill; each recomputes at most the prompt's last partial block).
         If any is refused, the others are aborted and the whole request gets that error. (A
         degradable tenant's choices may spill to a fallback model one by one; the response
         names the model that answered the first.)"""
@@ -325,24 +325,15 @@ class Ingress(InfoEndpoints):
             call.done = True  # until sent: nothing to abort
             self._live[call.rid] = call
         try:
-            leaders = range(0, len(calls), n)
-            # All sent before any answer is awaited, so they start in the same step.
-            for i in leaders:
-                calls[i].done = False
-                self._send(b, calls[i], ids_of[i], params_of[i], tenant, model, n)
-            for i in leaders:
-                await self._decided(b, calls[i])
-            if n > 1:
-                for i in leaders:  # its first token: its prompt's blocks are in the cache
-                    calls[i].held.append(first := await calls[i].replies.get())
-                    if isinstance(first, Failed):
-                        continue  # (its error ends the whole request)
-                    for j in range(i + 1, i + n):
-                        calls[j].done = False
-                        self._send(b, calls[j], ids_of[j], params_of[j], tenant, model, 0)
-                for call in calls:
-                    if not call.accepted and not call.done:
-                        await self._decided(b, call)
+            # All sent before any answer is awaited, so they are admitted together and start
+            # in the same step (later choices: once their first has its first token).
+            for i, call in enumerate(calls):
+                call.done = False
+                first = i - i % n
+                self._send(b, call, ids_of[i], params_of[i], tenant, model,
+                           n if i == first else 0, None if i == first else calls[first].rid)
+            for call in calls:
+                await self._decided(b, call)
             answering = calls[0].lane.name
             shaper = self._shaper(req, answering, parser, params, len(calls), echo, tools)
             if req.stream:
@@ -416,9 +407,9 @@ class Ingress(InfoEndpoints):
         await self._decided(b, call)
 
     def _send(self, b: Backend, call: _Call, prompt_ids: list[int], params: SamplingParams,
-              tenant: TenantConfig, model: str, n: int = 1) -> None:
+              tenant: TenantConfig, model: str, n: int = 1, after: int | None = None) -> None:
         msg = Submit(call.rid, tuple(prompt_ids), params, time.monotonic(), call.replies,
-                     tenant.cache_salt, tenant.name, tenant.priority, model, n=n)
+                     tenant.cache_salt, tenant.name, tenant.priority, model, n=n, after=after)
         try:
             b.admission.inbox.put_nowait(msg)
         except asyncio.QueueFull:  # capacity requests are already ahead of this one
@@ -444,7 +435,7 @@ class Ingress(InfoEndpoints):
         the time the reader comes back (a reader that lags behind the steps writes several
         tokens at once, not one write per token). A Failed becomes an ApiError."""
         while True:
-            msgs, call.held = call.held or [await call.replies.get()], []
+            msgs = [await call.replies.get()]
             while not call.replies.empty() and len(msgs) < MAX_BATCH:
                 msgs.append(call.replies.get_nowait())
             outs = []
@@ -495,11 +486,19 @@ class Ingress(InfoEndpoints):
             except TimeoutError:  # it stopped reading: treat it as gone (aborts the request)
                 raise ConnectionResetError("the client stopped reading the stream") from None
 
+        def shape(outs: list[tuple[int, Output]]) -> list:
+            return [chunk for i, out in outs for chunk in shaper.chunks(out, i)]
+
         await send(shaper.opening())
+        loop = asyncio.get_running_loop()
         try:
             async with contextlib.aclosing(outputs):
                 async for outs in outputs:
-                    await send([chunk for i, out in outs for chunk in shaper.chunks(out, i)])
+                    if _logprob_entries([out for _, out in outs]) > OFF_LOOP_LOGPROBS:
+                        # (a prompt's logprobs: shaped off the loop, as whole bodies are)
+                        await send(await loop.run_in_executor(None, shape, outs))
+                    else:
+                        await send(shape(outs))
         except ApiError as e:  # headers are sent: the error becomes the last event
             self._count_error(e)
             if access is not None:
@@ -598,6 +597,11 @@ class Ingress(InfoEndpoints):
         if self.backend is None:
             raise ApiError(503, "the model is still loading", retry_after=5.0)
         return self.backend
+
+
+def _logprob_entries(outs: list[Output]) -> int:
+    """Logprob entries these Outputs carry: the cost of shaping them into JSON."""
+    return sum(len(o.tokens) + len(o.prompt_logprobs or ()) for o in outs)
 
 
 def _prompt_list(prompt: object) -> list:

@@ -71,6 +71,8 @@ class EngineCore:
                              f"{vocab}, got {params.top_k}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be within the vocabulary [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: int, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams, cache_salt: bytes = b"", priority: int = 0,

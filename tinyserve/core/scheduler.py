@@ -247,7 +247,9 @@ class Scheduler:
         p = seq.params
         drawn = seq.num_output_tokens + seq.num_pending
         banned: tuple[int, ...] = ()
-        if drawn < p.min_tokens:  # vLLM: no stop token before min_tokens
+        # vLLM: no stop token before min_tokens; a grammar wins (once it is complete only
+        # EOS is allowed, and a ban on top would leave nothing to draw)
+        if drawn < p.min_tokens and p.guided is None:
             eos = () if p.ignore_eos else tuple(self.cfg.eos_token_ids)
             banned = tuple(sorted(set(p.stop_token_ids) | set(eos)))
         return msgspec.structs.replace(

@@ -12,8 +12,8 @@ One row per sampled sequence; a row lists each distinct token it touches once:
     its banned ids (min_tokens)               -inf
 
 Rows that process nothing list nothing (rep 1, no penalties): the kernel leaves them alone.
-Cost: O(output + prompt + bias) per processed row per step, numpy only; paid only by requests
-that ask for it (SamplingParams.penalized).
+Cost per processed row and step: O(new tokens + distinct tokens + bias), with each
+sequence's History kept across steps; paid only by requests that ask for it.
 """
 
 from __future__ import annotations
@@ -56,20 +56,44 @@ class PenaltyLists:
         self.pres = np.asarray(pres, np.float32)
 
 
-def _row(s: ScheduledSeq) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+class History:
+    """A sequence's penalty inputs kept across its steps, so a step costs O(new tokens +
+    distinct tokens), not O(prompt + output): the prompt's distinct tokens (repetition
+    penalty) once, the output's counts updated with each new token."""
+
+    __slots__ = ("prompt", "counts", "n", "last")
+
+    def __init__(self, prompt_ids: tuple[int, ...] | None) -> None:
+        self.prompt = np.unique(np.asarray(prompt_ids, np.int64)) if prompt_ids else _EMPTY
+        self.counts: dict[int, int] = {}
+        self.n = 0  # output tokens counted
+        self.last = -1  # the last of them
+
+    def update(self, out: tuple[int, ...]) -> None:
+        k = len(out) if not out or out[-1] >= 0 else len(out) - 1  # (an unfilled placeholder)
+        if k < self.n or (self.n and out[self.n - 1] != self.last):  # a stale step was dropped
+            self.counts.clear()
+            self.n = 0
+        counts = self.counts
+        for t in out[self.n:k]:
+            counts[t] = counts.get(t, 0) + 1
+        self.n = k
+        self.last = out[k - 1] if k else -1
+
+
+def _row(s: ScheduledSeq, h: History) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     p = s.params
-    out = np.asarray(s.output_ids or (), np.int64)
-    out = out[out >= 0]  # (a placeholder nobody filled: only if a plan skipped the executor)
-    out_ids, out_counts = np.unique(out, return_counts=True) if out.size else (_EMPTY, _EMPTY)
-    prompt = np.unique(np.asarray(s.prompt_ids, np.int64)) if s.prompt_ids else _EMPTY
+    h.update(s.output_ids or ())
+    out_ids = np.fromiter(h.counts, np.int64, len(h.counts))
+    out_counts = np.fromiter(h.counts.values(), np.int64, len(h.counts))
     bias_ids = np.fromiter((t for t, _ in p.logit_bias), np.int64, len(p.logit_bias))
     bias_vals = np.fromiter((b for _, b in p.logit_bias), np.float32, len(p.logit_bias))
     banned = np.asarray(s.banned, np.int64)
-    ids = np.unique(np.concatenate([out_ids, prompt, bias_ids, banned]))
+    ids = np.unique(np.concatenate([out_ids, h.prompt, bias_ids, banned]))
     counts = np.zeros(len(ids), np.int32)
     counts[np.searchsorted(ids, out_ids)] = out_counts
     in_prompt = np.zeros(len(ids), np.int32)
-    in_prompt[np.searchsorted(ids, prompt)] = 1
+    in_prompt[np.searchsorted(ids, h.prompt)] = 1
     bias = np.zeros(len(ids), np.float32)
     # OpenAI: -100 "should result in a ban"; vLLM adds it. A ban is exact here.
     bias[np.searchsorted(ids, bias_ids)] = np.where(bias_vals <= -100.0, -np.inf, bias_vals)
@@ -77,12 +101,25 @@ def _row(s: ScheduledSeq) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     return ids, counts, in_prompt, bias
 
 
-def penalty_lists(seqs: Sequence[ScheduledSeq]) -> PenaltyLists | None:
-    """The lists for one step's sampled sequences (None: no row lists anything)."""
+def penalty_lists(seqs: Sequence[ScheduledSeq], histories: dict[int, History] | None = None
+                  ) -> PenaltyLists | None:
+    """The lists for one step's sampled sequences (None: no row lists anything).
+    ``histories``: each sequence's History, kept by the caller across steps (none: built
+    afresh, O(prompt + output))."""
     if not any(s.params.penalized for s in seqs):
         return None
     none = (_EMPTY, _EMPTY, _EMPTY, np.zeros(0, np.float32))
-    rows = [_row(s) if s.params.penalized else none for s in seqs]
+    rows = []
+    for s in seqs:
+        if not s.params.penalized:
+            rows.append(none)
+            continue
+        h = histories.get(s.seq_id) if histories is not None else None
+        if h is None:
+            h = History(s.prompt_ids)
+            if histories is not None:
+                histories[s.seq_id] = h
+        rows.append(_row(s, h))
     if not any(len(r[0]) for r in rows):  # e.g. a presence penalty before any output
         return None
     return PenaltyLists(rows, [s.params.repetition_penalty for s in seqs],
@@ -100,12 +137,14 @@ class LogitsProcessors:
         self.device = device
         self.grammars: GrammarCompiler | None = None  # structured output, set by the Engine
         # seq id -> its grammar matcher and the output tokens it has accepted
-        self._matchers: dict[int, tuple[Matcher, list[int]]] = {}
+        self._matchers: dict[int, tuple[Matcher | None, list[int]]] = {}
+        self._histories: dict[int, History] = {}  # penalized sequences' counts
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         """Released sequences (a preempted one replays its output into a new matcher)."""
         for seq_id in seq_ids:
             self._matchers.pop(seq_id, None)
+            self._histories.pop(seq_id, None)
 
     def grammar_masks(self, seqs: list[ScheduledSeq]) -> np.ndarray | None:
         """[n, ceil(V / 32)] int32 allowed-token bits (all ones for unconstrained rows); None
@@ -132,11 +171,14 @@ class LogitsProcessors:
         entry = self._matchers.get(s.seq_id)
         if entry is None:
             try:
-                entry = self._matchers[s.seq_id] = (self.grammars.matcher(s.params.guided), [])
-            except (ValueError, AttributeError):  # refused at the API; offline, it just ends
+                entry = (self.grammars.matcher(s.params.guided), [])
+            except Exception:  # refused at the API; offline, it just ends (never the step)
                 log.warning("seq %d: its grammar does not compile: it can only end", s.seq_id)
-                return None
+                entry = (None, [])
+            self._matchers[s.seq_id] = entry
         m, accepted = entry
+        if m is None:
+            return None
         history = s.output_ids or ()
         common = min(len(accepted), len(history))
         while common and accepted[common - 1] != history[common - 1]:
@@ -152,14 +194,15 @@ class LogitsProcessors:
 
     def advance(self, seqs: list[ScheduledSeq], tokens: list[int]) -> None:
         for s, t in zip(seqs, tokens, strict=True):
-            if s.params.guided is not None and (entry := self._matchers.get(s.seq_id)):
+            entry = self._matchers.get(s.seq_id) if s.params.guided is not None else None
+            if entry is not None and entry[0] is not None:
                 if entry[0].accept(t):
                     entry[1].append(t)
 
     def processed(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """logits [n, V] after penalties and logit_bias (None: no row asks for them). In place
         unless someone wants logprobs, which vLLM reports from the raw logits."""
-        lists = penalty_lists(seqs)
+        lists = penalty_lists(seqs, self._histories)
         if lists is None:
             return None
         processed = logits

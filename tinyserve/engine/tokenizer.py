@@ -203,6 +203,11 @@ class _StopMatcher:
         self.state = q
         return -1
 
+    def restart(self) -> None:
+        """Go on after a full match that did not count (before min_tokens): keep the
+        longest border, as if that match had failed on its next character."""
+        self.state = self._fail[-1]
+
 
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, never splitting a UTF-8 character.
@@ -277,15 +282,18 @@ class IncrementalDetokenizer:
         self._pieces.append(piece)
         self._len += len(piece)
         self._joined = None
-        if self._unchecked > 0:
-            return
+        counts = self._unchecked <= 0  # vLLM: stop strings count from the min_tokens-th token
         # Every match ends inside the new piece (an earlier one would have stopped us), and a
         # stop string's first match in it is its earliest start: take the earliest over all.
         cut, keep = -1, 0
         for m in self._matchers:
-            end = m.feed(piece)
-            if end >= 0 and (cut < 0 or start + end - len(m.stop) < cut):
-                cut, keep = start + end - len(m.stop), len(m.stop)
+            end, off = m.feed(piece), 0
+            while end >= 0 and not counts:  # text of the first tokens: feed, never stop
+                m.restart()
+                off += end
+                end = m.feed(piece[off:])
+            if end >= 0 and (cut < 0 or start + off + end - len(m.stop) < cut):
+                cut, keep = start + off + end - len(m.stop), len(m.stop)
         if cut >= 0:
             self._truncate(cut + keep if self._include_stop else cut)
             self.stopped = True

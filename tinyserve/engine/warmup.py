@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tinyserve.engine.model import ForwardBatch
-from tinyserve.kernels import sample, update_block_table
+from tinyserve.kernels import sample, target_logprobs, update_block_table
 from tinyserve.kernels.utils import INTERPRET
 from tinyserve.messages import SamplingParams, ScheduledSeq
 
@@ -87,6 +87,10 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
                        any_top_k=top_k, any_top_p=top_p, processed=processed, allowed=allowed)
                 launches += 1
         runner.logits.processed(logits, [_PENALIZED] * B)
+        targets = torch.zeros(B, dtype=torch.int64, device=runner.device)
+        for n_top in (0, 2):  # prompt logprobs (echo, prompt_logprobs)
+            target_logprobs(logits, targets, n_top)
+            launches += 1
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),
