@@ -32,6 +32,8 @@ from tinyserve.messages import PLACEHOLDER, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
+STOP_WAIT_BUSY_S = 2.0  # at stop, how long a running step may take to end (GPU steps: ms)
+
 
 class Executor:
     def __init__(self, runners: dict[str, Callable[[StepPlan], StepResult]]) -> None:
@@ -157,8 +159,13 @@ class Executor:
         with self._ready:
             self._stopping = True
             self._ready.notify()
-        if self._thread.is_alive() and not self.busy:  # a busy thread may be wedged: leave it
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+        if self._thread.is_alive():
+            # A step still running (the one planned behind the last, say) is waited for a
+            # little: the process must not exit under it (native code mid-step aborts the
+            # process: "terminate called without an active exception"). A wedged one is left
+            # after that wait, so the process can still exit.
+            timeout = STOP_WAIT_BUSY_S if self.busy else 10.0
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
 
 def _deliver(outbox: asyncio.Queue, result: StepResult) -> None:
