@@ -179,8 +179,8 @@ def test_warm_up_records_every_bucket_so_serving_records_none(stories_dir):
     info = runner.warm_up(compile_all=True)  # what a GPU runs
     assert info["buckets"] == [1, 2, 4, 5] and info["split_classes"] == [512]  # (CPU split 4096)
     assert set(runner._recorded) == {(1, 512), (2, 512), (4, 512), (5, 512)}
-    # 6 variants x 4 bucket sizes x (raw, processed, masked, both)
-    assert info["cuda_graphs"] is False and info["sampling_variants"] == 6 * 4 * 4
+    # 6 variants x 4 bucket sizes x (raw, processed, masked, both), and prompt logprobs (2 x 4)
+    assert info["cuda_graphs"] is False and info["sampling_variants"] == 6 * 4 * 4 + 2 * 4
     # chunks of 16 and 17 alone, 16 rows of 32, then 1/2/15/16 decodes beside a chunk of 16,
     # at one KV split (the only split on the CPU: 4096 keys)
     shapes = runner.eager_warm_shapes()

@@ -157,13 +157,16 @@ class LogitsProcessors:
         for i, s in enumerate(seqs):
             if s.params.guided is None:
                 continue
-            m = self._matcher(s)
-            if m is None or not m.fill(words[i]):
+            if not _guarded(self._fill, s, words[i]):
                 words[i] = 0
                 bits = words[i].view(np.uint32)
                 for t in self.eos_token_ids:
                     bits[t // 32] |= np.uint32(1 << (t % 32))
         return words
+
+    def _fill(self, s: ScheduledSeq, row: np.ndarray) -> bool:
+        m = self._matcher(s)
+        return m is not None and m.fill(row)
 
     def _matcher(self, s: ScheduledSeq) -> Matcher | None:
         """The sequence's matcher, caught up with its output (``output_ids``, the pending
@@ -196,7 +199,7 @@ class LogitsProcessors:
         for s, t in zip(seqs, tokens, strict=True):
             entry = self._matchers.get(s.seq_id) if s.params.guided is not None else None
             if entry is not None and entry[0] is not None:
-                if entry[0].accept(t):
+                if _guarded(entry[0].accept, t):
                     entry[1].append(t)
 
     def processed(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -238,3 +241,16 @@ class LogitsProcessors:
             i += n
         return tuple(out)
 
+
+
+def _guarded(fn, *args) -> bool:
+    """A grammar call that fails counts as False (a dead end for that sequence): never the
+    step's failure. llguidance reports a Rust panic as pyo3's PanicException, a
+    BaseException, which would otherwise end the executor's worker thread."""
+    try:
+        return bool(fn(*args))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        log.exception("grammar matcher failed: that sequence can only end")
+        return False
