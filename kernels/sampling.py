@@ -93,7 +93,9 @@ def _sample_kernel(
         if HAS_PROC:
             x, mask = _load(raw_ptrs, allowed_rows, offs_v, start, V, HAS_MASK)
         m_new = tl.maximum(m_r, tl.max(x, axis=1))
-        s = s * tl.exp(m_r - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        # A chunk the mask forbids whole, before any allowed token: -inf - -inf is NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m_r - m_ref) + tl.sum(tl.exp(x - m_ref[:, None]), axis=1)
         m_r = m_new
     lse = m_r + tl.log(s)
     token = best
@@ -251,6 +253,14 @@ def _target_logprob_kernel(
     tl.store(rank_ptr + offs_b, above + 1, mask=b_ok)
 
 
+def _tiles(B: int, V: int) -> tuple[int, int, tuple[int]]:
+    """Rows per program and vocabulary chunk: one row per program on a GPU (a row's passes
+    are long), many under the interpreter (its cost is per program)."""
+    block_b = min(256, next_pow2(B)) if INTERPRET else 1
+    block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
+    return block_b, block_v, (cdiv(B, block_b),)
+
+
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top_logprobs: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                torch.Tensor | None]:
@@ -265,9 +275,7 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top_logprob
     ranks = empty((R,), torch.int64, logits.device)
     if R == 0:
         return logprobs, ranks, None, None
-    block_b = min(256, next_pow2(R)) if INTERPRET else 1
-    block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
-    grid = (cdiv(R, block_b),)
+    block_b, block_v, grid = _tiles(R, V)
     launch(_target_logprob_kernel, grid, logits, targets, logprobs, ranks, logits.stride(0),
            R, V, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
     if num_top_logprobs <= 0:
@@ -310,9 +318,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logprobs = empty((B,), torch.float32, logits.device)
     if B == 0:
         return tokens, logprobs, None, None
-    block_b = min(256, next_pow2(B)) if INTERPRET else 1
-    block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
-    grid = (cdiv(B, block_b),)
+    block_b, block_v, grid = _tiles(B, V)
     proc = logits if processed is None else processed
     mask = tokens if allowed is None else allowed  # (any tensor: never read without HAS_MASK)
     launch(_sample_kernel, grid,

@@ -33,6 +33,7 @@ import tinyserve.kernels as K  # noqa: E402
 
 # CPU tensors stand in for the GPU's: launchers size split-K for an H100/H200's 132 SMs.
 sys.modules["tinyserve.kernels.matmul"]._sm_count = lambda index: 132
+sys.modules["tinyserve.kernels.int4_matmul"]._sm_count = lambda index: 132
 from tinyserve.engine.loader import quantize_int8  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -72,6 +73,9 @@ def exercise(dtype):
     K.matmul(r(T, D), r(I, D))
     lin = quantize_int8(torch.randn(I, D))
     K.int8_matmul(r(T, D), lin.weight, lin.scale)
+    q4, s4, z4 = K.quantize_int4(torch.randn(I, D), group_size=64, symmetric=False)
+    K.int4_matmul(r(T, D), q4, s4.to(dtype), z4, 64)
+    K.int4_matmul(r(T, D), q4, s4.to(dtype), None, 64)
     K.silu_and_mul(r(T, 2 * I))
     tables = torch.arange(8, dtype=torch.int32).view(2, 4)
     K.context_attention_paged(r(T, Hq, Dh), kc, vc, tables, torch.tensor([20, 30], dtype=torch.int32),
@@ -138,6 +142,11 @@ def exercise_llama3_8b():
     K.int8_matmul(e(B, D), lin.weight, lin.scale, split_k=4)
     K.matmul(e(2048, D), e(D, D))  # a prefill: 1,024 tiles, the 4 K chunks inside each program
     K.int8_matmul(e(2048, D), lin.weight, lin.scale, split_k=4, split_grid=False)
+    q4, s4, z4 = e(D, D // 8, dt=torch.int32), e(D, D // 128), e(D, D // 128, dt=torch.uint8)
+    K.int4_matmul(e(B, D), q4, s4)  # o_proj-sized decode: split-K 4 in separate programs
+    K.int4_matmul(e(B, D), q4, s4, z4)
+    K.int4_matmul(e(2048, D), q4, s4, z4)  # prefill: the 4 K chunks inside each program
+    K.int4_matmul(e(B, D), e(I, D // 8, dt=torch.int32), e(I, D // 128))  # 112 tiles: no split
     tables = torch.zeros((2 * B + 1, 512), dtype=torch.int32)
     K.token_attention_paged(e(B, Hq, Dh), kc, vc, tables, torch.full((B,), 8192), 8192,
                             table_rows=torch.arange(B))

@@ -179,3 +179,22 @@ def test_kept_histories_count_only_new_tokens_and_survive_a_dropped_step():
     assert counts([5, 5, 7, 9]) == {4: (0, 1), 5: (2, 0), 7: (1, 0), 9: (1, 1)}
     assert counts([5, 5, 8]) == {4: (0, 1), 5: (2, 0), 8: (1, 0), 9: (0, 1)}  # dropped, redrawn
     assert isinstance(kept[0], History) and kept[0].n == 3
+
+
+def test_a_first_vocabulary_chunk_the_mask_forbids_whole_keeps_logprobs_finite(device):
+    # The vocabulary is scanned in chunks (65536 under the interpreter, 2048 on a GPU): a row
+    # whose allowed tokens all lie past the first chunk must not turn its logsumexp into NaN.
+    B, V = 2, 65536 + 300
+    logits = (torch.randn(B, V, generator=torch.Generator().manual_seed(3))).to(device)
+    allowed = [{65536 + 7, 65536 + 100}, {65536 + 299}]
+    mask = bitmask(allowed, V).to(device)
+    z = torch.zeros(B, device=device)
+    k = torch.zeros(B, dtype=torch.int32, device=device)
+    tokens, lp, _, _ = sample(logits, z, k, z + 1, torch.arange(B, device=device), 0,
+                              all_greedy=True, allowed=mask)
+    dense = torch.full((B, V), -math.inf)
+    for r, a in enumerate(allowed):
+        dense[r, sorted(a)] = 0.0
+    ref = (logits.cpu() + dense).log_softmax(-1)
+    assert all(t in a for t, a in zip(tokens.tolist(), allowed))
+    torch.testing.assert_close(lp.cpu(), ref.gather(1, tokens.cpu()[:, None])[:, 0])

@@ -86,11 +86,11 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
                 sample(logits, *_sampling_tensors_for(runner, B), n_top, all_greedy=greedy,
                        any_top_k=top_k, any_top_p=top_p, processed=processed, allowed=allowed)
                 launches += 1
-        runner.logits.processed(logits, [_PENALIZED] * B)
         targets = torch.zeros(B, dtype=torch.int64, device=runner.device)
         for n_top in (0, 2):  # prompt logprobs (echo, prompt_logprobs)
             target_logprobs(logits, targets, n_top)
             launches += 1
+        runner.logits.processed(logits, [_PENALIZED] * B)  # (last: it bans token 0 in place)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),

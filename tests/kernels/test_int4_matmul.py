@@ -1,0 +1,197 @@
+"""int4 group-wise dequant-matmul against a float32 torch reference, and the int4 packing helpers.
+
+The reference packer / unpacker here is written independently of the module's (arithmetic on
+uint32 values instead of shifts), so a layout mistake in either shows up as a mismatch.
+"""
+
+import pytest
+import torch
+
+from tinyserve.kernels.int4_matmul import dequantize_int4, int4_matmul, quantize_int4
+
+# (M, N, K, group_size): N never a multiple of the tile; K / group_size from 1 to 32 groups;
+# 96 and 384 are not powers of two (K tiles of 32 and 128 inside each group).
+SHAPES = [(1, 96, 128, 32), (3, 200, 256, 64), (17, 1000, 384, 128), (64, 96, 1024, 128),
+          (3, 1000, 1024, 32), (17, 200, 384, 384), (3, 96, 384, 96), (1, 200, 256, 128)]
+DTYPES = [(torch.float32, 1e-4, 1e-5), (torch.float16, 1e-2, 1e-2)]
+if torch.cuda.is_available():  # the interpreter's bf16 tl.dot operates on raw bits
+    DTYPES.append((torch.bfloat16, 5e-2, 2e-2))
+
+
+def pack_ref(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] codes in [0, 15] -> [N, K // 8] int32; k = 8 * word + j sits at 16**j."""
+    q = q.to(torch.int64)
+    words = sum(q[:, j::8] * 16**j for j in range(8))
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+
+
+def unpack_ref(qweight: torch.Tensor) -> torch.Tensor:
+    u = qweight.to(torch.int64) % 2**32  # the word as an unsigned value
+    q = torch.stack([(u // 16**j) % 16 for j in range(8)], dim=-1)  # [N, K // 8, 8]
+    return q.reshape(qweight.shape[0], -1)
+
+
+def dequant_ref(qweight, scales, zeros, group_size):
+    q = unpack_ref(qweight).double()
+    z = 8.0 if zeros is None else zeros.double().repeat_interleave(group_size, 1)
+    return ((q - z) * scales.double().repeat_interleave(group_size, 1)).float()
+
+
+def random_weight(N, K, G, zeros, dtype, g):
+    """Random codes, scales in [0.01, 0.03) and zero points of the requested kind."""
+    q = torch.randint(0, 16, (N, K), generator=g)
+    scales = (0.01 + 0.02 * torch.rand(N, K // G, generator=g)).to(dtype)
+    if zeros == "int":
+        z = torch.randint(0, 16, (N, K // G), generator=g).to(torch.uint8)
+    elif zeros == "float":  # fractional zero points
+        z = 15 * torch.rand(N, K // G, generator=g)
+    else:
+        z = None
+    return pack_ref(q), scales, z
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("zeros", ["symmetric", "int", "float"])
+@pytest.mark.parametrize("M,N,K,G", SHAPES)
+def test_int4_matmul(device, dtype, atol, rtol, zeros, M, N, K, G):
+    g = torch.Generator().manual_seed(M + N * K + G)
+    qweight, scales, z = random_weight(N, K, G, zeros, dtype, g)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    ref = x.float() @ dequant_ref(qweight, scales, z, G).T
+    y = int4_matmul(x.to(device), qweight.to(device), scales.to(device),
+                    None if z is None else z.to(device), G)
+    assert y.dtype == dtype and y.shape == (M, N)
+    torch.testing.assert_close(y.cpu().float(), ref, atol=atol, rtol=rtol)
+
+
+def test_layout_pins_low_nibble_first_and_the_sign_bit(device):
+    """W = q exactly (scale 1, zero 0): one code at nibble 5 of word 2 of row 1, one at the
+    top nibble (the int32's sign bit) of word 0 of row 3; x picks columns k of W."""
+    N, K = 5, 128
+    qweight = torch.zeros(N, K // 8, dtype=torch.int32)
+    qweight[1, 2] = 1 << 20  # k = 8 * 2 + 5
+    qweight[3, 0] = -(1 << 28)  # 0xF0000000: q = 15 at k = 7
+    ones, zero = torch.ones(N, 1), torch.zeros(N, 1)
+    x = torch.zeros(3, K)
+    x[0, 21] = x[1, 7] = x[2, 20] = 1.0
+    y = int4_matmul(x.to(device), qweight.to(device), ones.to(device), zero.to(device), K)
+    expect = torch.zeros(3, N)
+    expect[0, 1], expect[1, 3] = 1.0, 15.0
+    assert torch.equal(y.cpu(), expect)
+
+
+def test_scales_in_fp32_with_fp16_activations_and_transposed_views(device):
+    """Any strides for scales / zeros (a loader may keep them [K // G, N]) and for x."""
+    g = torch.Generator().manual_seed(7)
+    M, N, K, G = 5, 200, 256, 64
+    qweight, scales, z = random_weight(N, K, G, "int", torch.float32, g)
+    x = torch.randn(M, K + 40, generator=g)[:, 40:].half()  # a strided view
+    ref = x.float() @ dequant_ref(qweight, scales, z, G).T
+    s_t, z_t = scales.T.contiguous().to(device).T, z.T.contiguous().to(device).T
+    y = int4_matmul(x.to(device), qweight.to(device), s_t, z_t, G)
+    torch.testing.assert_close(y.cpu().float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("G", [32, 128])
+def test_quantize_round_trip(symmetric, G):
+    g = torch.Generator().manual_seed(G)
+    w = torch.randn(96, 256, generator=g) * torch.rand(96, 1, generator=g)
+    w[3, :G] = 0.0  # an all-zero group: no division by zero
+    qweight, scales, zeros = quantize_int4(w, G, symmetric)
+    assert qweight.shape == (96, 32) and qweight.dtype == torch.int32
+    assert scales.shape == (96, 256 // G) and scales.dtype == torch.float32
+    assert (zeros is None) == symmetric
+    if zeros is not None:
+        assert zeros.shape == scales.shape and int(zeros.min()) >= 0 and int(zeros.max()) <= 15
+    deq = dequant_ref(qweight, scales, zeros, G)
+    assert torch.equal(dequantize_int4(qweight, scales, zeros, G), deq)
+    bound = scales.repeat_interleave(G, 1) / 2 * (1 + 1e-5)
+    assert ((deq - w).abs() <= bound).all()
+    assert torch.equal(deq[3, :G], torch.zeros(G))
+    wg = w.view(96, -1, G)  # the step: a group's |max| spans 7.5 steps, or [min, max] 15
+    step = wg.abs().amax(-1) * 2 / 15 if symmetric else (wg.amax(-1) - wg.amin(-1)) / 15
+    torch.testing.assert_close(scales, step.clamp(min=1e-10))
+
+
+def test_quantized_linear_is_close_to_the_float_one(device):
+    g = torch.Generator().manual_seed(11)
+    w, x = torch.randn(200, 256, generator=g), torch.randn(3, 256, generator=g)
+    qweight, scales, zeros = quantize_int4(w, 64, symmetric=False)
+    y = int4_matmul(x.to(device), qweight.to(device), scales.to(device), zeros.to(device), 64)
+    bound = x.abs() @ (scales.repeat_interleave(64, 1) / 2).T  # sum_k |x| * s / 2
+    assert ((y.cpu() - x @ w.T).abs() <= bound * 1.001 + 1e-4).all()
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_chunks_in_one_program_equal_separate_programs(device, split):
+    """K=640, G=64: chunks of whole groups; the same fp32 sums either way, bit for bit."""
+    g = torch.Generator().manual_seed(split)
+    qweight, scales, z = (t.to(device) for t in random_weight(150, 640, 64, "int", torch.float32, g))
+    x = torch.randn(37, 640, generator=g).to(device)
+    ref = x.cpu() @ dequant_ref(qweight.cpu(), scales.cpu(), z.cpu(), 64).T
+    grid = int4_matmul(x, qweight, scales, z, 64, split_k=split, split_grid=True)
+    inline = int4_matmul(x, qweight, scales, z, 64, split_k=split, split_grid=False)
+    assert torch.equal(grid, inline)
+    torch.testing.assert_close(grid.cpu(), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_rows_are_batch_invariant(device):
+    g = torch.Generator().manual_seed(3)
+    qweight, scales, _ = (t.to(device) if t is not None else t
+                          for t in random_weight(90, 256, 128, "symmetric", torch.float32, g))
+    x = torch.randn(70, 256, generator=g).to(device)
+    full = int4_matmul(x, qweight, scales)
+    assert torch.equal(int4_matmul(x[3:4], qweight, scales)[0], full[3])
+    assert torch.equal(int4_matmul(x[60:], qweight, scales), full[60:])
+
+
+def test_gpu_tiles_and_grouped_grid_through_the_interpreter(device, monkeypatch):
+    """The GPU's launch layout (grouped grid, 64x128 tiles, K tiles of min(128, G) for fp16 and
+    32 for fp32, split-K in both modes) against the reference."""
+    import sys
+
+    mod = sys.modules["tinyserve.kernels.int4_matmul"]
+    monkeypatch.setattr(mod, "INTERPRET", False)
+    g = torch.Generator().manual_seed(6)
+    qweight, scales, z = random_weight(150, 512, 64, "float", torch.float32, g)
+    x = torch.randn(70, 512, generator=g)
+    ref = x @ dequant_ref(qweight, scales, z, 64).T
+    qweight, scales, z = qweight.to(device), scales.to(device), z.to(device)
+    for dtype, tol in ((torch.float32, dict(atol=1e-4, rtol=1e-5)),
+                       (torch.float16, dict(atol=5e-2, rtol=1e-2))):
+        for split, grid in ((1, False), (2, True), (2, False)):
+            y = int4_matmul(x.to(device, dtype), qweight, scales, z, 64, split_k=split,
+                            split_grid=grid)
+            torch.testing.assert_close(y.cpu().float(), ref, **tol)
+
+
+def _args(**change):
+    N, K, G = 8, 128, 32
+    args = dict(x=torch.randn(2, K), qweight=torch.zeros(N, K // 8, dtype=torch.int32),
+                scales=torch.ones(N, K // G), zeros=None, group_size=G)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(group_size=48), "divisible by group_size"),  # 128 % 48
+    (dict(group_size=8, scales=torch.ones(8, 16)), "multiple of 16"),
+    (dict(qweight=torch.zeros(8, 16, dtype=torch.int64)), "int32"),
+    (dict(qweight=torch.zeros(8, 15, dtype=torch.int32)), "inner sizes"),
+    (dict(scales=torch.ones(8, 3)), "scales must be"),
+    (dict(scales=torch.ones(8, 4, dtype=torch.int32)), "scales must be fp16"),
+    (dict(zeros=torch.zeros(8, 5)), "zeros must be"),
+    (dict(x=torch.zeros(2, 128, dtype=torch.int32)), "x must be"),
+    (dict(x=torch.randn(128)), r"x must be \[M, K\]"),
+])
+def test_bad_inputs_raise(change, match):
+    with pytest.raises(ValueError, match=match):
+        int4_matmul(**_args(**change))
+
+
+def test_bad_out_and_quantize_inputs_raise():
+    with pytest.raises(ValueError, match="out must be"):
+        int4_matmul(**_args(), out=torch.empty(2, 9))
+    with pytest.raises(ValueError, match="divisible by group_size"):
+        quantize_int4(torch.randn(4, 96), group_size=64)
