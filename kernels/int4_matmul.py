@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.matmul import _sm_count, _split_k_sum_kernel, split_k_for
+from tinyserve.kernels.matmul import _sm_count, _split_k_sum_kernel, split_k_for, tile_offsets
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
@@ -88,20 +88,8 @@ def _int4_matmul_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     SPLIT_GRID: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    if GROUP_M == 1:
-        pid_m = tl.program_id(0).to(tl.int64)
-        pid_n = tl.program_id(1).to(tl.int64)
-    else:  # grouped order, as in matmul.py: GROUP_M row tiles share weight tiles in L2
-        pid = tl.program_id(0)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        first_m = pid // (GROUP_M * num_pid_n) * GROUP_M
-        rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-        pid_m = (first_m + (pid % (GROUP_M * num_pid_n)) % rows).to(tl.int64)
-        pid_n = ((pid % (GROUP_M * num_pid_n)) // rows).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    # (grouped order, as in matmul.py: GROUP_M row tiles share weight tiles in L2)
+    offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # SPLIT_K chunks of k_split, each summed from zero, added in order: in separate programs
     # (SPLIT_GRID: partials summed by matmul.py's _split_k_sum_kernel) or one after another

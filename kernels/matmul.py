@@ -46,19 +46,14 @@ def _k_chunk(a_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k_lo, k_hi,
 
 
 @triton.jit
-def _matmul_kernel(
-    a_ptr, w_ptr, scale_ptr, out_ptr,
-    M, N, K, k_split,
-    stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_os,
-    W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_GRID: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+def tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile: (offs_m, offs_n, mask_m, mask_n). GROUP_M > 1: grouped
+    order, GROUP_M row tiles sweep the same weight columns while they sit in L2 (the grid is
+    then one axis of tiles)."""
     if GROUP_M == 1:
         pid_m = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1).to(tl.int64)
     else:
-        # Grouped order: GROUP_M row-tiles sweep the same weight columns while they sit in L2.
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -71,6 +66,19 @@ def _matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    return offs_m, offs_n, mask_m, mask_n
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, w_ptr, scale_ptr, out_ptr,
+    M, N, K, k_split,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_os,
+    W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_GRID: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # K is summed in SPLIT_K chunks of k_split, each from zero, the chunk sums added in order:
     # the same fp32 operations whether the chunks run in separate programs (SPLIT_GRID, for

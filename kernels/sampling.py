@@ -261,6 +261,24 @@ def _tiles(B: int, V: int) -> tuple[int, int, tuple[int]]:
     return block_b, block_v, (cdiv(B, block_b),)
 
 
+def _top(logits: torch.Tensor, allowed: torch.Tensor | None, logprobs: torch.Tensor,
+         tokens: torch.Tensor, num_top: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The N best (ids [B, N], logprobs [B, N]) of each row, given a token of each and its
+    logprob (they fix the row's logsumexp); None when N is 0."""
+    if num_top <= 0:
+        return None, None
+    B, V = logits.shape
+    n = min(num_top, V)
+    top_ids = empty((B, n), torch.int64, logits.device)
+    top_lp = empty((B, n), torch.float32, logits.device)
+    mask = tokens if allowed is None else allowed  # (any tensor: never read without HAS_MASK)
+    block_b, block_v, grid = _tiles(B, V)
+    launch(_top_logprobs_kernel, grid, logits, mask, logprobs, top_ids, top_lp, tokens,
+           logits.stride(0), mask.stride(0), top_ids.stride(0), B, V, n,
+           HAS_MASK=allowed is not None, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    return top_ids, top_lp
+
+
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top_logprobs: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                torch.Tensor | None]:
@@ -278,14 +296,7 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top_logprob
     block_b, block_v, grid = _tiles(R, V)
     launch(_target_logprob_kernel, grid, logits, targets, logprobs, ranks, logits.stride(0),
            R, V, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
-    if num_top_logprobs <= 0:
-        return logprobs, ranks, None, None
-    n = min(num_top_logprobs, V)
-    top_ids = empty((R, n), torch.int64, logits.device)
-    top_lp = empty((R, n), torch.float32, logits.device)
-    launch(_top_logprobs_kernel, grid, logits, targets, logprobs, top_ids, top_lp, targets,
-           logits.stride(0), 1, top_ids.stride(0), R, V, n,
-           HAS_MASK=False, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    top_ids, top_lp = _top(logits, None, logprobs, targets, num_top_logprobs)
     return logprobs, ranks, top_ids, top_lp
 
 
@@ -327,12 +338,5 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         APPLY_TOP_K=any_top_k and not all_greedy, APPLY_TOP_P=any_top_p and not all_greedy,
         ALL_GREEDY=all_greedy, HAS_PROC=processed is not None, HAS_MASK=allowed is not None,
         BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
-    if num_top_logprobs <= 0:
-        return tokens, logprobs, None, None
-    n = min(num_top_logprobs, V)
-    top_ids = empty((B, n), torch.int64, logits.device)
-    top_lp = empty((B, n), torch.float32, logits.device)
-    launch(_top_logprobs_kernel, grid, logits, mask, logprobs, top_ids, top_lp, tokens,
-           logits.stride(0), mask.stride(0), top_ids.stride(0), B, V, n,
-           HAS_MASK=allowed is not None, BLOCK_B=block_b, BLOCK_V=block_v, num_warps=8)
+    top_ids, top_lp = _top(logits, allowed, logprobs, tokens, num_top_logprobs)
     return tokens, logprobs, top_ids, top_lp
