@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.matmul import _sm_count, _split_k_sum_kernel, split_k_for, tile_offsets
+from tinyserve.kernels.matmul import _split_k_sum_kernel, split_plan, tile_offsets
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
@@ -166,14 +166,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return out
 
     bm, bn, bk, group_m = _tiles(N, K, group_size, x.dtype)
-    tiles = cdiv(M, bm), cdiv(N, bn)
-    if split_k is None:
-        split_k = 1 if INTERPRET else split_k_for(N, K, bn, bk, _sm_count(x.device.index or 0))
-    check(split_k >= 1, "split_k must be >= 1")
-    if split_grid is None:  # separate programs only while the tiles leave SMs idle
-        split_grid = split_k > 1 and (
-            INTERPRET or tiles[0] * tiles[1] < _sm_count(x.device.index or 0))
-    k_split = cdiv(cdiv(K, split_k), bk) * bk  # whole K tiles per chunk: tiles stay in a group
+    tiles, split_k, split_grid, k_split = split_plan(M, N, K, bm, bn, bk, x.device, split_k,
+                                                     split_grid)
     grid = tiles if group_m == 1 else (tiles[0] * tiles[1],)
     target, t_strides = out, (out.stride(0), out.stride(1), 0)
     if split_grid:  # [M, split, N] fp32 partial sums, as in matmul.py

@@ -138,6 +138,22 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def split_plan(M: int, N: int, K: int, bm: int, bn: int, bk: int, device: torch.device,
+               split_k: int | None, split_grid: bool | None
+               ) -> tuple[tuple[int, int], int, bool, int]:
+    """(output tiles, split_k, split_grid, k_split) for a launch: split-K by split_k_for unless
+    given; chunks as separate programs only while the tiles leave SMs idle; whole K tiles per
+    chunk (so a K tile never straddles chunks, nor, for int4, groups)."""
+    tiles = cdiv(M, bm), cdiv(N, bn)
+    if split_k is None:
+        split_k = 1 if INTERPRET else split_k_for(N, K, bn, bk, _sm_count(device.index or 0))
+    check(split_k >= 1, "split_k must be >= 1")
+    if split_grid is None:
+        split_grid = split_k > 1 and (
+            INTERPRET or tiles[0] * tiles[1] < _sm_count(device.index or 0))
+    return tiles, split_k, split_grid, cdiv(cdiv(K, split_k), bk) * bk
+
+
 def split_k_for(N: int, K: int, bn: int, bk: int, num_sms: int) -> int:
     """Split K so that a layer with few column tiles still fills the SMs at decode batch sizes
     (N=4096: 32 tiles of 128 on 132 SMs -> 4 splits), keeping >= 4 K tiles per split. Chosen by
@@ -163,14 +179,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         return out
     w_int8 = scale is not None
     bm, bn, bk, group_m = _tiles(N, K, a.dtype, w_int8)
-    tiles = cdiv(M, bm), cdiv(N, bn)
-    if split_k is None:
-        split_k = 1 if INTERPRET else split_k_for(N, K, bn, bk, _sm_count(a.device.index or 0))
-    check(split_k >= 1, "split_k must be >= 1")
-    if split_grid is None:  # separate programs only while the tiles leave SMs idle
-        split_grid = split_k > 1 and (
-            INTERPRET or tiles[0] * tiles[1] < _sm_count(a.device.index or 0))
-    k_split = cdiv(cdiv(K, split_k), bk) * bk  # whole K tiles per chunk
+    tiles, split_k, split_grid, k_split = split_plan(M, N, K, bm, bn, bk, a.device, split_k,
+                                                     split_grid)
     grid = tiles if group_m == 1 else (tiles[0] * tiles[1],)
     target, t_strides = out, (out.stride(0), out.stride(1), 0)
     if split_grid:  # [M, split, N] fp32 partial sums (M first: scratch pools key on rows)

@@ -33,7 +33,6 @@ import tinyserve.kernels as K  # noqa: E402
 
 # CPU tensors stand in for the GPU's: launchers size split-K for an H100/H200's 132 SMs.
 sys.modules["tinyserve.kernels.matmul"]._sm_count = lambda index: 132
-sys.modules["tinyserve.kernels.int4_matmul"]._sm_count = lambda index: 132
 from tinyserve.engine.loader import quantize_int8  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
