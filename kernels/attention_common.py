@@ -17,11 +17,22 @@ GPU (stories260k has head_dim 8); padded columns are masked to zero.
 
 KV is paged: key n of a sequence lives in block ``block_table[n // BLOCK_SIZE]`` at offset
 ``n % BLOCK_SIZE`` of the cache [num_blocks, BLOCK_SIZE, Hk, Dh].
+
+An int8 cache (QUANT) has a scale per token and KV head beside it ([num_blocks, BLOCK_SIZE,
+Hk] fp16, see kv_cache.py). With one KV head per program (the GPU) a key tile's scales are one
+per key row, so they fold into the scores and probabilities instead of the tiles:
+
+    q . (c_k * s_k) = (q . c_k) * s_k          p @ (c_v * s_v) = (p * s_v) @ c_v
+
+and the int8 codes go to tl.dot converted but unscaled (exact in fp16 / bf16: |c| <= 127).
+With several heads per program (the interpreter) a row's scale differs by column block, so
+the tiles are dequantized instead; both are the same sums up to rounding.
 """
 
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.kv_cache import check_kv_scales
 from tinyserve.kernels.utils import INTERPRET, check, next_pow2
 
 
@@ -43,15 +54,16 @@ def tile_layout(pid_h, num_kv_heads, head_dim, stride_kh,
     col_ok = (c_d < head_dim) & (c_kvh < num_kv_heads)
     kv_col_off = c_kvh.to(tl.int64) * stride_kh + c_d
     same_head = r_j[:, None] == c_j[None, :]
-    return r_tok.to(tl.int64), q_head, row_ok, c_d, kv_col_off, col_ok, same_head
+    return r_tok.to(tl.int64), q_head, row_ok, c_d, kv_col_off, col_ok, same_head, c_kvh
 
 
 @triton.jit
 def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
-                 k_cache_ptr, v_cache_ptr, block_tables_ptr, k_slot, k_table_off, k_hi,
-                 kv_col_off, col_ok, lo, hi, stride_kb, stride_ks, sm_scale_log2,
+                 k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                 k_slot, k_table_off, k_hi, kv_col_off, col_ok, c_kvh, lo, hi,
+                 stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2,
                  BLOCK_N: tl.constexpr, KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 QUANT: tl.constexpr, HEADS_PER_PROG: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online-softmax attention of q [ROWS, COLS] over key positions [lo, hi), causal on q_pos.
 
     The key tile has KEYS = SEQ_SLOTS * BLOCK_N rows: BLOCK_N positions for each of the
@@ -71,17 +83,42 @@ def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
         slot_off = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks
         kv_off = slot_off[:, None] + kv_col_off[None, :]
         kv_mask = n_ok[:, None] & col_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         keep = same_seq & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if QUANT:
+            s_off = block.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_ss
+            if HEADS_PER_PROG == 1:  # one scale per key row: folded into scores and p
+                s_off += tl.max(c_kvh, axis=0)
+                k_s = tl.load(k_scale_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+                k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0).to(q.dtype)
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * (k_s * sm_scale_log2)[None, :]
+            else:
+                s_tile = s_off[:, None] + c_kvh[None, :]
+                k_s = tl.load(k_scale_ptr + s_tile, mask=kv_mask, other=0.0).to(tl.float32)
+                k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0).to(tl.float32) * k_s
+                qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * sm_scale_log2
+        else:
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
         qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        if QUANT:
+            if HEADS_PER_PROG == 1:
+                v_s = tl.load(v_scale_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+                v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0).to(q.dtype)
+                pv = (p * v_s[None, :]).to(q.dtype)
+            else:
+                v_s = tl.load(v_scale_ptr + s_tile, mask=kv_mask, other=0.0).to(tl.float32)
+                v = (tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0).to(tl.float32) * v_s
+                     ).to(q.dtype)
+                pv = p.to(q.dtype)
+        else:
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            pv = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -92,13 +129,17 @@ LOG2E = 1.4426950408889634
 class HeadParams:
     """Launcher-side view of the head layout shared by both attention kernels."""
 
-    def __init__(self, q, k_cache, v_cache, block_tables, sm_scale: float | None):
+    def __init__(self, q, k_cache, v_cache, block_tables, sm_scale: float | None,
+                 k_scale=None, v_scale=None):
         check(q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, head_dim] with unit last stride")
         check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape
               and k_cache.stride() == v_cache.stride(),
               "k_cache and v_cache must be [num_blocks, block_size, Hk, head_dim], same layout")
         check(k_cache.stride(3) == 1, "caches need unit stride along head_dim")
-        check(k_cache.dtype == v_cache.dtype == q.dtype, "q and the caches must share a dtype")
+        self.quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+        check(self.quantized or k_cache.dtype == v_cache.dtype == q.dtype,
+              "q and the caches must share a dtype (or the caches be int8 with scales)")
+        check(q.dtype.is_floating_point, "q must be a float tensor")
         check(block_tables.dim() == 2, "block_tables must be [B, max_blocks]")
         _, self.block_size, self.num_kv_heads, self.head_dim = k_cache.shape
         self.num_heads = q.shape[1]
@@ -114,3 +155,6 @@ class HeadParams:
         self.sm_scale_log2 = scale * LOG2E
         self.kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         self.kv_grid = -(-self.num_kv_heads // self.heads_per_prog)
+        # (an unquantized cache passes its own tensors where the scales would go: never read)
+        self.scales = (k_scale, v_scale) if self.quantized else (k_cache, v_cache)
+        self.scale_strides = (k_scale.stride(0), k_scale.stride(1)) if self.quantized else (0, 0)

@@ -11,7 +11,8 @@ With a single split stage 1 writes ``out`` directly. ``split_size`` is fixed per
 split of a sequence depends on its own length only (batch invariant).
 Layouts: q, out [B, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables
 [B, max_blocks] int32, or [R, max_blocks] with ``table_rows`` [B] naming each sequence's row
-(a persistent table); seq_lens [B] (including the query token, already in the cache).
+(a persistent table); seq_lens [B] (including the query token, already in the cache). An int8 cache comes with
+k_scale / v_scale [num_blocks, block_size, Hk] fp16 (kv_cache.py), dequantized inside.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty
 
 @triton.jit
 def _token_attention_paged_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, table_rows_ptr, b_seq_len_ptr,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh,
+    stride_sb, stride_ss, stride_btb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     sm_scale_log2, num_seqs, num_kv_heads, head_dim, split_size,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     SEQ_SLOTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     seq0 = tl.program_id(0).to(tl.int64) * SEQ_SLOTS
@@ -42,7 +44,7 @@ def _token_attention_paged_kernel(
     COLS: tl.constexpr = HEADS_PER_PROG * BLOCK_D
     KEYS: tl.constexpr = SEQ_SLOTS * BLOCK_N
     # Row groups are sequence slots here (one query token each).
-    r_slot, q_head, row_ok, c_d, kv_col_off, col_ok, same_head = tile_layout(
+    r_slot, q_head, row_ok, c_d, kv_col_off, col_ok, same_head, c_kvh = tile_layout(
         pid_h, num_kv_heads, head_dim, stride_kh, GROUP, BLOCK_G, HEADS_PER_PROG, ROWS, BLOCK_D)
     row_b = seq0 + r_slot
     row_ok = row_ok & (r_slot < SEQ_SLOTS) & (row_b < num_seqs)
@@ -65,9 +67,11 @@ def _token_attention_paged_kernel(
         l_i = tl.full([ROWS], 0.0, dtype=tl.float32)
         acc = tl.full([ROWS, COLS], 0.0, dtype=tl.float32)
         m_i, l_i, acc = attend_paged(
-            q, row_len - 1, r_slot, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+            q, row_len - 1, r_slot, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_tables_ptr,
             k_slot, k_row * stride_btb, tl.minimum(k_len, lo + split_size), kv_col_off, col_ok,
-            lo, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, KEYS, BLOCK_SIZE, DOT_PREC)
+            c_kvh, lo, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2, BLOCK_N, KEYS,
+            BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows without keys in this split: not stored
         acc = acc / l_safe[:, None]
         if SINGLE_SPLIT:
@@ -136,9 +140,11 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                           sm_scale: float | None = None, out: torch.Tensor | None = None,
                           split_size: int | None = None, block_n: int | None = None,
-                          table_rows: torch.Tensor | None = None) -> torch.Tensor:
+                          table_rows: torch.Tensor | None = None,
+                          k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, Dh] -> out: [B, Hq, Dh]. ``max_seq_len`` (host int) sizes the split grid."""
-    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale)
+    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale)
     B = q.shape[0]
     check(seq_lens.shape == (B,), "seq_lens must be [B]")
     check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
@@ -164,14 +170,15 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     slots = min(16, next_pow2(B)) if INTERPRET else 1
     rows = max(16, slots * hp.heads_per_prog * hp.block_g)
     launch(_token_attention_paged_kernel, (cdiv(B, slots), hp.kv_grid, num_splits),
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables,
+        q, k_cache, v_cache, *hp.scales, out, part_out, part_lse, block_tables,
         table_rows if table_rows is not None else seq_lens, seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
-        block_tables.stride(0), *p_strides, *l_strides,
+        *hp.scale_strides, block_tables.stride(0), *p_strides, *l_strides,
         hp.sm_scale_log2, B, hp.num_kv_heads, hp.head_dim, split_size,
         GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
         SEQ_SLOTS=slots, ROWS=rows,
-        BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, SINGLE_SPLIT=single,
+        BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, QUANT=hp.quantized,
+        SINGLE_SPLIT=single,
         HAS_ROWS=table_rows is not None,
         DOT_PREC=dot_precision(q.dtype), num_warps=4)
     if not single:

@@ -12,7 +12,8 @@ cached prefix, so every key is read from the paged cache:
 That one rule covers plain prefill, prefix-cache hits and chunked prefill. Layouts: q, out
 [T, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables [B, max_blocks] int32 (or
 [R, max_blocks] with ``table_rows`` [B] naming each sequence's row); seq_lens [B]; q_start
-[B + 1] (exclusive prefix sums of q_len).
+[B + 1] (exclusive prefix sums of q_len). An int8 cache comes with k_scale / v_scale
+[num_blocks, block_size, Hk] fp16 (kv_cache.py), dequantized inside (attention_common.py).
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty
 
 @triton.jit
 def _context_attention_paged_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, table_rows_ptr, b_seq_len_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr,
+    table_rows_ptr, b_seq_len_ptr,
     b_q_start_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_btb,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
+    stride_sb, stride_ss, stride_btb,
     sm_scale_log2, num_kv_heads, head_dim,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -43,7 +46,7 @@ def _context_attention_paged_kernel(
     if pid_m * BLOCK_M < q_len:
         ROWS: tl.constexpr = BLOCK_M * HEADS_PER_PROG * BLOCK_G
         COLS: tl.constexpr = HEADS_PER_PROG * BLOCK_D
-        r_tok, q_head, row_ok, c_d, kv_col_off, col_ok, same_head = tile_layout(
+        r_tok, q_head, row_ok, c_d, kv_col_off, col_ok, same_head, c_kvh = tile_layout(
             pid_h, num_kv_heads, head_dim, stride_kh,
             GROUP, BLOCK_G, HEADS_PER_PROG, ROWS, BLOCK_D)
         seq_len = tl.load(b_seq_len_ptr + b).to(tl.int64)
@@ -65,9 +68,11 @@ def _context_attention_paged_kernel(
         else:
             table_row = b.to(tl.int64)
         m_i, l_i, acc = attend_paged(
-            q, q_pos, r_tok * 0, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+            q, q_pos, r_tok * 0, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+            block_tables_ptr,
             zero_k, zero_k + table_row * stride_btb, zero_k + seq_len, kv_col_off, col_ok,
-            0, hi, stride_kb, stride_ks, sm_scale_log2, BLOCK_N, BLOCK_N, BLOCK_SIZE, DOT_PREC)
+            c_kvh, 0, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2, BLOCK_N,
+            BLOCK_N, BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + m_idx)[:, None] * stride_ot + q_head[:, None] * stride_oh + c_d[None, :]
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
@@ -78,13 +83,15 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             q_start: torch.Tensor, max_q_len: int,
                             sm_scale: float | None = None, out: torch.Tensor | None = None,
                             block_n: int | None = None,
-                            table_rows: torch.Tensor | None = None) -> torch.Tensor:
+                            table_rows: torch.Tensor | None = None,
+                            k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, Dh] -> out: [T, Hq, Dh]. ``max_q_len`` (host int) sizes the grid.
 
     Tile sizes depend only on the model, never on the batch, so a row's numbers do not change
     with what else is batched with it (greedy outputs are batch invariant).
     """
-    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale)
+    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale)
     B = seq_lens.shape[0]
     check(q_start.shape == (B + 1,), "q_start must be [B + 1]")
     check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
@@ -97,18 +104,19 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if INTERPRET:
         block_m, default_n = 64, 128
     elif q.dtype == torch.float32:  # no fp32 tensor-core path: smaller tiles avoid spills
-        block_m, default_n = max(1, 32 // hp.block_g), 32
-    else:
-        block_m, default_n = max(1, 64 // hp.block_g), 64
+        rows = 16 if hp.quantized else 32
+        block_m, default_n = max(1, rows // hp.block_g), rows
+    else:  # (int8 codes converted in registers: half-width key tiles keep it spill-free)
+        block_m, default_n = max(1, 64 // hp.block_g), 32 if hp.quantized else 64
     block_n = block_n or default_n
     check(block_n >= 16 and block_n & (block_n - 1) == 0, "block_n must be a power of two >= 16")
     grid = (B, hp.kv_grid, cdiv(max_q_len, block_m))
     launch(_context_attention_paged_kernel, grid,
-        q, k_cache, v_cache, out, block_tables,
+        q, k_cache, v_cache, *hp.scales, out, block_tables,
         table_rows if table_rows is not None else seq_lens, seq_lens, q_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
-        block_tables.stride(0), hp.sm_scale_log2, hp.num_kv_heads, hp.head_dim,
+        *hp.scale_strides, block_tables.stride(0), hp.sm_scale_log2, hp.num_kv_heads, hp.head_dim,
         GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, QUANT=hp.quantized,
         HAS_ROWS=table_rows is not None, DOT_PREC=dot_precision(q.dtype), num_warps=4)
     return out

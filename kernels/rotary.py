@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.kv_cache import check_kv_scales, quantize_kv, write_kv_cache
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, launch, next_pow2
 
 
@@ -99,9 +100,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 @triton.jit
 def _rotary_kv_kernel(
-    x_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+    x_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     stride_xt, stride_cp, T, num_q_heads, num_kv_heads, head_dim, HALF, max_pos, num_slots,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
 ):
     # Heads of the fused qkv row: [0, Hq) q, rotated in place; [Hq, Hq + Hk) k, rotated into
     # the cache; [Hq + Hk, Hq + 2Hk) v, copied into the cache. One pass, one launch.
@@ -117,10 +118,11 @@ def _rotary_kv_kernel(
     # a position outside the table rotates by nothing: q stays, k is cached as it is - what
     # apply_rotary (which skips such rows) then write_kv_cache would do
     cos, sin, _ = _cos_sin(cos_ptr, sin_ptr, pos, rot_t, stride_cp, offs_d, HALF)
+    h_k = (offs_h >= num_q_heads) & (offs_h < num_q_heads + num_kv_heads)
+    h_v = (offs_h >= num_q_heads + num_kv_heads) & (offs_h < num_q_heads + 2 * num_kv_heads)
     is_q = (offs_h < num_q_heads)[None, :, None]
-    is_k = ((offs_h >= num_q_heads) & (offs_h < num_q_heads + num_kv_heads))[None, :, None]
-    is_v = ((offs_h >= num_q_heads + num_kv_heads)
-            & (offs_h < num_q_heads + 2 * num_kv_heads))[None, :, None]
+    is_k = h_k[None, :, None]
+    is_v = h_v[None, :, None]
     ptrs = x_ptr + offs_t[:, None, None] * stride_xt + offs_h[None, :, None] * head_dim \
         + offs_d[None, None, :]
     load_mask = mask_t[:, None, None] & d_ok & (is_q | is_k | is_v)
@@ -131,25 +133,36 @@ def _rotary_kv_kernel(
     q_mask = rot_t[:, None, None] & d_ok & is_q
     tl.store(ptrs, r1.to(x_ptr.dtype.element_ty), mask=q_mask)
     tl.store(ptrs + HALF, r2.to(x_ptr.dtype.element_ty), mask=q_mask)
-    kv_head = tl.where(is_k, offs_h[None, :, None] - num_q_heads,
-                       offs_h[None, :, None] - num_q_heads - num_kv_heads)
-    dst = slot[:, None, None] * (num_kv_heads * head_dim) + kv_head * head_dim + offs_d[None, None, :]
+    kv_head = tl.where(h_k, offs_h - num_q_heads, offs_h - num_q_heads - num_kv_heads)
+    dst = slot[:, None, None] * (num_kv_heads * head_dim) + kv_head[None, :, None] * head_dim \
+        + offs_d[None, None, :]
     k_mask = kv_t[:, None, None] & d_ok & is_k
-    tl.store(k_cache_ptr + dst, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k_cache_ptr + dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
     v_mask = kv_t[:, None, None] & d_ok & is_v
-    tl.store(v_cache_ptr + dst, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(v_cache_ptr + dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    if QUANT:  # a head's whole vector is in this program: its scale is a register max
+        c1, c2, scale = quantize_kv(tl.where(is_k, r1, x1), tl.where(is_k, r2, x2))
+        s_dst = slot[:, None] * num_kv_heads + kv_head[None, :]
+        tl.store(k_cache_ptr + dst, c1, mask=k_mask)
+        tl.store(k_cache_ptr + dst + HALF, c2, mask=k_mask)
+        tl.store(k_scale_ptr + s_dst, scale, mask=kv_t[:, None] & h_k[None, :])
+        tl.store(v_cache_ptr + dst, c1, mask=v_mask)
+        tl.store(v_cache_ptr + dst + HALF, c2, mask=v_mask)
+        tl.store(v_scale_ptr + s_dst, scale, mask=kv_t[:, None] & h_v[None, :])
+    else:
+        tl.store(k_cache_ptr + dst, r1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(k_cache_ptr + dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(v_cache_ptr + dst, x1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+        tl.store(v_cache_ptr + dst + HALF, x2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
     """``apply_rotary(q, k)`` then ``write_kv_cache(k, v)``, as one launch when q, k and v are
     adjacent heads of one fused qkv row (the model's layout); two launches otherwise.
-    k itself is left unrotated in the fused case: only its cache copy is read afterwards."""
-    from tinyserve.kernels.kv_cache import write_kv_cache
-
+    k itself is left unrotated in the fused case: only its cache copy is read afterwards.
+    An int8 cache takes k_scale / v_scale (see kv_cache.py): quantized as it is written."""
     T, Hq, Dh = q.shape
     Hk = k.shape[1]
     es = q.element_size()
@@ -161,7 +174,7 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              and v.data_ptr() == k.data_ptr() + Hk * Dh * es)
     if not fused:
         apply_rotary(q, k, positions, cos, sin)
-        write_kv_cache(k, v, k_cache, v_cache, slots)
+        write_kv_cache(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         return
     check(Dh % 2 == 0, f"head_dim must be even, got {Dh}")
     check(positions.shape == (T,) and slots.shape == (T,), "positions and slots must be [T]")
@@ -171,6 +184,7 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[2:] == (Hk, Dh)
           and k_cache.is_contiguous() and v_cache.is_contiguous(),
           f"caches must be contiguous [num_blocks, block_size, {Hk}, {Dh}]")
+    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if T == 0:
         return
     heads = Hq + 2 * Hk
@@ -178,6 +192,8 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_h = next_pow2(heads) if INTERPRET else min(next_pow2(heads), 16)
     half = Dh // 2
     launch(_rotary_kv_kernel, (cdiv(T, block_t), cdiv(heads, block_h)),
-           q, cos, sin, positions, slots, k_cache, v_cache, q.stride(0) if T > 1 else heads * Dh,
+           q, cos, sin, positions, slots, k_cache, v_cache,
+           k_scale if quantized else k_cache, v_scale if quantized else v_cache,
+           q.stride(0) if T > 1 else heads * Dh,
            cos.stride(0), T, Hq, Hk, Dh, half, cos.shape[0], k_cache.shape[0] * k_cache.shape[1],
-           BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half))
+           BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=next_pow2(half), QUANT=quantized)

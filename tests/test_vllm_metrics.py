@@ -172,8 +172,8 @@ def test_vllm_namespace_names_every_series_vllm():
                  'vllm:time_per_output_token_seconds_count{model="m",model_name="m"} 4.0',
                  'vllm:inter_token_latency_seconds_count{model="m",model_name="m"} 4.0',
                  'vllm:iteration_tokens_total_count{model="m",model_name="m"} 1.0',
-                 'vllm:cache_config_info{block_size="16",model="m",model_name="m",'
-                 'num_blocks="10",num_gpu_blocks="10"} 1.0'):
+                 'vllm:cache_config_info{block_size="16",cache_dtype="auto",model="m",'
+                 'model_name="m",num_blocks="10",num_gpu_blocks="10"} 1.0'):
         assert line in text, line
 
 

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face Llama model directory (config.json, *.safetensors, "
                         "tokenizer.json); omit to serve the bundled stories260k (also the DIR "
                         "'stories260k'). Repeat as NAME=DIR to serve several models; per-model "
-                        "options after commas: quantization=int8, kv_share=0.3 (share of the KV "
+                        "options after commas: quantization=int8|int4, kv_cache_dtype=int8, "
+                        "kv_share=0.3 (share of the KV "
                         "budget; default: an equal split), max_model_len=N")
     m.add_argument("--demo", action="store_true",
                    help="serve a random-weight demo model instead of --model (its output is "
@@ -56,9 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weight and activation dtype; auto is float32 on CPU, the checkpoint's "
                         "half type on GPU")
-    m.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: weight-only, per output channel; about halves weight memory "
-                        "and decode weight traffic vs fp16")
+    m.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of a float checkpoint at load time. int8: per "
+                        "output channel, about half of fp16's weight bytes; int4: group-wise "
+                        "(128 weights a scale and zero point), about a quarter. GPTQ and AWQ "
+                        "checkpoints (4-bit, quantization_config in config.json) load as int4 "
+                        "without this flag")
     m.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="default: cuda if available (the CPU runs Triton's interpreter: slow)")
     m.add_argument("--max-model-len", type=int, default=None,
@@ -86,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-cache-memory", type=parse_size, default=None,
                     help="KV capacity as memory, e.g. 8GiB (default: 90%% of free GPU memory, "
                          "or enough for max-num-seqs full-length requests on CPU)")
+    k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="auto: K and V in the model's dtype; int8: one byte a value plus a "
+                        "scale per token and KV head, about twice the sequences in the same "
+                        "--kv-cache-memory (quantized when written, dequantized inside attention)")
     k.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse KV blocks of identical prompt prefixes")
     k.add_argument("--enforce-eager", action="store_true",
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--demo and --model are exclusive: give one")
         engine_cfg = EngineConfig(
             random_demo=args.demo, dtype=args.dtype, quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

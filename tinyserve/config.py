@@ -12,7 +12,8 @@ from pathlib import Path
 
 BUNDLED = "stories260k"  # as a model directory: the model inside the package (if no such dir)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 METRICS_NAMESPACES = ("tinyserve", "vllm")  # the prefix of every Prometheus series name
 TOOL_CALL_PARSERS = ("auto", "llama3_json", "hermes")  # auto: hermes if the template says
 
@@ -24,7 +25,10 @@ class EngineConfig:
     model: str | None = None  # a Hugging Face model directory; None: the bundled stories260k
     random_demo: bool = False  # serve a random-weight demo model instead (load tests, no weights)
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's fp16/bf16 on GPU
-    quantization: str | None = None  # "int8": weight-only, per output channel
+    # weight-only: "int8" per output channel, "int4" group-wise (128); a GPTQ / AWQ checkpoint
+    # is recognised by its config.json and needs none
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "int8": K and V as int8, a scale per token and KV head
     device: str | None = None  # "cuda" / "cpu"; None: cuda if available
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # KV capacity in blocks ...
@@ -62,7 +66,10 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -84,7 +91,7 @@ class EngineConfig:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # served model names and aliases
-MODEL_OPTIONS = ("quantization", "kv_share", "max_model_len")
+MODEL_OPTIONS = ("quantization", "kv_cache_dtype", "kv_share", "max_model_len")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +104,8 @@ class ModelSpec:
 
 def parse_model_arg(text: str) -> tuple[str | None, str, dict[str, str]]:
     """``--model`` values: ``DIR``, ``NAME=DIR``, or ``NAME=DIR,option=value,...`` with options
-    quantization (int8), kv_share (0-1: this model's share of the KV budget) and
+    quantization (int8, int4), kv_cache_dtype (auto, int8), kv_share (0-1: this model's share
+    of the KV budget) and
     max_model_len. DIR ``stories260k`` is the bundled model."""
     name, sep, rest = text.partition("=")
     if not sep or "/" in name or not _NAME.match(name) or Path(text).exists():
@@ -156,6 +164,8 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
                         "kv_share_of_free": 1.0}
         if "quantization" in options:
             fields["quantization"] = options["quantization"] or None
+        if "kv_cache_dtype" in options:
+            fields["kv_cache_dtype"] = options["kv_cache_dtype"] or "auto"
         if "max_model_len" in options:
             try:
                 fields["max_model_len"] = int(options["max_model_len"])
@@ -175,10 +185,10 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
 
 def _weight_bytes(path: str, options: dict[str, str]) -> int:
     """An upper bound on a checkpoint's weights in memory: its safetensors files (half of them
-    when quantized to int8 from 16 bits)."""
+    when quantized to int8 from 16 bits, a quarter for int4)."""
     files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     size = sum(f.stat().st_size for f in files)
-    return size // 2 if options.get("quantization") == "int8" else size
+    return {"int8": size // 2, "int4": size // 4}.get(options.get("quantization") or "", size)
 
 
 def parse_route(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:

@@ -104,7 +104,8 @@ class Server:
         lanes = []
         for spec in self.models:
             info, ecfg = infos[spec.name], spec.engine
-            self.metrics.set_cache_config(spec.name, info.block_size, info.num_kv_blocks)
+            self.metrics.set_cache_config(spec.name, info.block_size, info.num_kv_blocks,
+                                          info.kv_cache_dtype)
             core = EngineCore(CoreConfig.from_engine(ecfg, info), engines[spec.name].tokenizer)
             capacity = ecfg.max_num_seqs + self.cfg.max_waiting
             slo = SloController(_seconds(self.cfg.slo_ttft_ms), _seconds(self.cfg.slo_itl_ms),
@@ -159,9 +160,9 @@ class Server:
         self.admission.ready = True
         for spec in self.models:
             info = infos[spec.name]
-            log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB)%s%s",
+            log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB, %s)%s%s",
                      spec.name, info.max_model_len, info.num_kv_blocks, info.block_size,
-                     info.kv_cache_bytes / 2**20,
+                     info.kv_cache_bytes / 2**20, info.kv_cache_dtype,
                      f", {info.quantization}" if info.quantization else "",
                      " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
 

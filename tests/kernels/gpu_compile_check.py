@@ -91,6 +91,17 @@ def exercise(dtype):
                               torch.tensor([0, 20, 40], dtype=torch.int32), 20,
                               table_rows=rows.int())
     K.update_block_table(tables, torch.tensor([[0, 1, 5], [1, 3, 2]]))
+    # --kv-cache-dtype int8: quantizing writes, and attention dequantizing (scales folded)
+    kq, vq = torch.zeros(8, 16, Hk, Dh, dtype=torch.int8), torch.zeros(8, 16, Hk, Dh, dtype=torch.int8)
+    ks, vs = torch.ones(8, 16, Hk, dtype=torch.float16), torch.ones(8, 16, Hk, dtype=torch.float16)
+    K.write_kv_cache(k, v, kq, vq, torch.arange(T), ks, vs)
+    K.rotary_and_write_kv(q, k, v, torch.arange(T), torch.randn(T, Dh // 2),
+                          torch.randn(T, Dh // 2), kq, vq, torch.arange(T), ks, vs)
+    K.context_attention_paged(r(T, Hq, Dh), kq, vq, tables, torch.tensor([20, 30], dtype=torch.int32),
+                              torch.tensor([0, 20, 40], dtype=torch.int32), 20, table_rows=rows.int(),
+                              k_scale=ks, v_scale=vs)
+    K.token_attention_paged(r(2, Hq, Dh), kq, vq, tables, lens64, 60, split_size=16, block_n=16,
+                            table_rows=rows, k_scale=ks, v_scale=vs)
     if dtype == torch.float32:
         logits = torch.randn(B, V)
         p = (torch.full((B,), 0.8), torch.full((B,), 5, dtype=torch.int32), torch.full((B,), 0.9),
@@ -149,6 +160,14 @@ def exercise_llama3_8b():
     tables = torch.zeros((2 * B + 1, 512), dtype=torch.int32)
     K.token_attention_paged(e(B, Hq, Dh), kc, vc, tables, torch.full((B,), 8192), 8192,
                             table_rows=torch.arange(B))
+    kq, vq = e(64, 16, Hk, Dh, dt=torch.int8), e(64, 16, Hk, Dh, dt=torch.int8)
+    ks, vs = e(64, 16, Hk, dt=torch.float16), e(64, 16, Hk, dt=torch.float16)
+    K.rotary_and_write_kv(q, k, v, torch.arange(T), cos, sin, kq, vq, torch.arange(T), ks, vs)
+    K.token_attention_paged(e(B, Hq, Dh), kq, vq, tables, torch.full((B,), 8192), 8192,
+                            table_rows=torch.arange(B), k_scale=ks, v_scale=vs)
+    K.context_attention_paged(e(T, Hq, Dh), kq, vq, tables, torch.tensor([20, 8192]),
+                              torch.tensor([0, 20, 40]), 20, table_rows=torch.arange(2),
+                              k_scale=ks, v_scale=vs)
     logits = torch.empty(B, V)
     p = (torch.full((B,), 0.8), torch.full((B,), 5, dtype=torch.int32), torch.full((B,), 0.9),
          torch.arange(B, dtype=torch.int64))
@@ -156,7 +175,7 @@ def exercise_llama3_8b():
     K.sample(logits, *p, all_greedy=True)
 
 
-def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool):
+def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_int8: bool = False):
     """A ModelRunner with GPU launch configurations on CPU tensors (weights never read)."""
     from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
     from tinyserve.engine.model import LlamaModel
@@ -173,7 +192,7 @@ def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool):
                            Linear(e(2 * I, D)), Linear(e(D, I))) for _ in range(2)]
     weights = LlamaWeights(e(1000, D), layers, e(D), Linear(e(1000, D)))
     cos, sin = rope_tables(cfg, max_model_len, "cpu")
-    spec = KVCacheSpec(512, 16, 2, 2, 128, torch.bfloat16)
+    spec = KVCacheSpec(512, 16, 2, 2, 128, torch.bfloat16, kv_int8)
     return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu",
                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                        enforce_eager=enforce_eager)
@@ -183,18 +202,20 @@ def warm_up_coverage() -> int:
     """Every specialization serving meets must have been launched by the warm-up: launch keys
     as Triton's JIT computes them (bound arguments, specialization, constexprs, options) for
     the warm-up, then for steps of every kind and size; a key serving adds is a compile that
-    would happen while serving. Both with decode buckets and with --enforce-eager; matmuls
-    take the split-K policy of a 132-SM GPU."""
-    return max(_coverage(enforce_eager) for enforce_eager in (False, True))
+    would happen while serving. With decode buckets, with --enforce-eager, and with buckets
+    over an int8 KV cache; matmuls take the split-K policy of a 132-SM GPU."""
+    return max(_coverage(eager, kv_int8) for eager, kv_int8 in ((False, False), (True, False),
+                                                                 (False, True)))
 
 
-def _coverage(enforce_eager: bool) -> int:
+def _coverage(enforce_eager: bool, kv_int8: bool = False) -> int:
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
     def keys():
         return {compile_like_the_jit(fn, a, k)[0] for fn, a, k in captured}
 
-    runner = _tiny_runner(max_num_seqs=16, max_model_len=2048, enforce_eager=enforce_eager)
+    runner = _tiny_runner(max_num_seqs=16, max_model_len=2048, enforce_eager=enforce_eager,
+                          kv_int8=kv_int8)
     captured.clear()
     runner.warm_up(compile_all=True)
     warm = keys()
@@ -243,7 +264,8 @@ def _coverage(enforce_eager: bool) -> int:
         diff = [(i, key[i][:300]) for i in range(1, 5) if near is None or key[i] != near[i]]
         print(f"not warmed up: {key[0]} {diff}")
     splits = sum(1 for fn, _, _ in captured if fn.__name__ == "_split_k_sum_kernel")
-    print(f"{'enforce-eager' if enforce_eager else 'decode buckets'}: warm-up launched "
+    print(f"{'enforce-eager' if enforce_eager else 'decode buckets'}"
+          f"{' over int8 KV' if kv_int8 else ''}: warm-up launched "
           f"{len(warm)} specializations; serving used {len(served)} ({splits} split-K sums), "
           f"{len(missing)} of them not warmed up")
     return 1 if missing else 0

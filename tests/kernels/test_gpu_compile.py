@@ -39,5 +39,6 @@ def test_the_warm_up_launches_every_specialization_serving_needs():
     out = subprocess.run([sys.executable, str(SCRIPT), "--warm-up"], env=env, capture_output=True,
                          text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert out.stdout.count(", 0 of them not warmed up") == 2  # buckets, and enforce-eager
+    # buckets, enforce-eager, and buckets over an int8 KV cache
+    assert out.stdout.count(", 0 of them not warmed up") == 3
     assert "(0 split-K sums)" not in out.stdout  # the GPU's split-K path was in it

@@ -68,6 +68,7 @@ class FakeEngine:
         self.tokenizer = Tokenizer(STORIES260K)
         self.info = EngineInfo(
             model_path=str(STORIES260K), device="cpu", dtype="float32", quantization=None,
+            kv_cache_dtype="auto",
             vocab_size=512, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_bytes=0, weight_bytes=0,
             weight_bytes_unquantized=0, eos_token_ids=frozenset({2}), random_weights=False)

@@ -155,9 +155,12 @@ class Metrics:
                                registry=r)
         self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
 
-    def set_cache_config(self, model: str, block_size: int, num_blocks: int) -> None:
-        # num_gpu_blocks is vLLM's name (prefix-aware endpoint pickers read it); num_blocks ours
+    def set_cache_config(self, model: str, block_size: int, num_blocks: int,
+                         cache_dtype: str = "auto") -> None:
+        # num_gpu_blocks and cache_dtype are vLLM's names (prefix-aware endpoint pickers read
+        # the first); num_blocks ours
         self.cache_info.labels(model, model).info({"block_size": str(block_size),
+                                                   "cache_dtype": cache_dtype,
                                                    "num_blocks": str(num_blocks),
                                                    "num_gpu_blocks": str(num_blocks)})
 

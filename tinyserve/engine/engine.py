@@ -27,6 +27,7 @@ class EngineInfo:
     device: str
     dtype: str
     quantization: str | None
+    kv_cache_dtype: str  # "auto" (the model's dtype) or "int8"
     vocab_size: int
     max_model_len: int
     block_size: int
@@ -78,15 +79,16 @@ class Engine:
         if max_model_len > mcfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                         max_model_len, mcfg.max_position_embeddings)
+        kv_int8 = cfg.kv_cache_dtype == "int8"
         per_block = KVCacheSpec(1, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
-                                mcfg.head_dim, dtype).bytes_per_block
+                                mcfg.head_dim, dtype, kv_int8).bytes_per_block
         num_blocks = self._num_kv_blocks(cfg, mcfg, per_block, dtype.itemsize, max_model_len)
         min_blocks = -(-max_model_len // cfg.block_size)
         if num_blocks < min_blocks:
             raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {cfg.block_size} tokens cannot "
                              f"hold one max_model_len={max_model_len} sequence ({min_blocks} needed)")
         spec = KVCacheSpec(num_blocks, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
-                           mcfg.head_dim, dtype)
+                           mcfg.head_dim, dtype, kv_int8)
         cos, sin = rope_tables(mcfg, max_model_len, self.device)
         self.model_config = mcfg
         self.runner = ModelRunner(LlamaModel(mcfg, weights, cos, sin), mcfg, spec, self.device,
@@ -94,7 +96,8 @@ class Engine:
                                   enforce_eager=cfg.enforce_eager)
         self.info = EngineInfo(
             model_path=str(model_dir), device=self.device, dtype=str(dtype).removeprefix("torch."),
-            quantization=cfg.quantization, vocab_size=mcfg.vocab_size, max_model_len=max_model_len,
+            quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
+            vocab_size=mcfg.vocab_size, max_model_len=max_model_len,
             block_size=cfg.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=spec.total_bytes,
             weight_bytes=weights.nbytes(), weight_bytes_unquantized=weights.nbytes(dtype),
             eos_token_ids=self.tokenizer.eos_token_ids, random_weights=random_weights)
@@ -104,9 +107,10 @@ class Engine:
             log.info("int8 weights: %.2f MiB -> %.2f MiB (%.2fx smaller)",
                      self.info.weight_bytes_unquantized / 2**20, self.info.weight_bytes / 2**20,
                      self.info.weight_bytes_unquantized / self.info.weight_bytes)
-        log.info("loaded %s (%s, %s%s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
-                 model_dir, self.device, self.info.dtype,
+        log.info("loaded %s (%s, %s%s) in %.1fs; KV cache (%s, %d B/token): %d blocks x %d tokens "
+                 "= %d tokens, %.1f MiB", model_dir, self.device, self.info.dtype,
                  f", {cfg.quantization}" if cfg.quantization else "", time.perf_counter() - t0,
+                 "int8 + fp16 scales" if kv_int8 else self.info.dtype, spec.bytes_per_token,
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size, spec.total_bytes / 2**20)
 
     def _num_kv_blocks(self, cfg: EngineConfig, mcfg, per_block: int, itemsize: int,

@@ -13,6 +13,7 @@ first and use the split-KV decode kernel; the rest are prefill chunks:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -49,7 +50,17 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None  # [S] int64: rows whose next token is sampled (None: all)
 
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hk, Dh] x2
+class LayerKV(NamedTuple):
+    """One layer's cache: k, v [num_blocks, block_size, Hk, Dh] in the model's dtype, or int8
+    with k_scale, v_scale [num_blocks, block_size, Hk] fp16 (``--kv-cache-dtype int8``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+KVCache = list[LayerKV]
 
 
 def linear(x: torch.Tensor, lin: Linear, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,25 +101,26 @@ class LlamaModel:
         return linear(last, w.lm_head, out=logits)
 
     def _attention(self, x: torch.Tensor, layer: LayerWeights, batch: ForwardBatch,
-                   kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   kv: LayerKV) -> torch.Tensor:
         cfg = self.cfg
         T, Hq, Hk, Dh = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(x, layer.qkv)  # [T, (Hq + 2Hk) * Dh]
         q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
         k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
         v = qkv[:, (Hq + Hk) * Dh :].view(T, Hk, Dh)
-        k_cache, v_cache = kv
+        k_cache, v_cache, k_scale, v_scale = kv
         rotary_and_write_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache,
-                            batch.slot_mapping)
+                            batch.slot_mapping, k_scale, v_scale)
         o = empty((T, Hq, Dh), x.dtype, x.device)
         D = batch.num_decodes
         if D:
             token_attention_paged(q[:D], k_cache, v_cache, batch.block_tables,
                                   batch.decode_seq_lens, batch.decode_max_seq_len, out=o[:D],
-                                  table_rows=batch.decode_rows)
+                                  table_rows=batch.decode_rows, k_scale=k_scale, v_scale=v_scale)
         if T > D:
             context_attention_paged(q[D:], k_cache, v_cache, batch.block_tables,
                                     batch.prefill_seq_lens, batch.prefill_q_start,
                                     batch.prefill_max_q_len, out=o[D:],
-                                    table_rows=batch.prefill_rows)
+                                    table_rows=batch.prefill_rows, k_scale=k_scale,
+                                    v_scale=v_scale)
         return linear(o.view(T, Hq * Dh), layer.o)

@@ -28,7 +28,7 @@ import torch
 from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.loader import ModelConfig
 from tinyserve.engine.logits_processing import LogitsProcessors
-from tinyserve.engine.model import ForwardBatch, KVCache, LlamaModel
+from tinyserve.engine.model import ForwardBatch, KVCache, LayerKV, LlamaModel
 from tinyserve.kernels import sample, update_block_table
 from tinyserve.kernels.utils import Recording, next_pow2, recording
 from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
@@ -43,12 +43,17 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's: K and V in it, unless quantized
+    quantized: bool = False  # int8 K and V, an fp16 scale per token and KV head
+
+    @property
+    def bytes_per_token(self) -> int:
+        per_head = self.head_dim + 2 if self.quantized else self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim \
-            * self.dtype.itemsize
+        return self.block_size * self.bytes_per_token
 
     @property
     def total_bytes(self) -> int:
@@ -59,8 +64,12 @@ def allocate_kv_cache(spec: KVCacheSpec, device: torch.device | str) -> KVCache:
     # One tensor per layer and per K/V (not one big tensor): the Triton interpreter copies each
     # argument's whole storage per launch, so small storages keep CPU steps cheap.
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device))
+    if not spec.quantized:
+        return [LayerKV(torch.zeros(shape, dtype=spec.dtype, device=device),
+                        torch.zeros(shape, dtype=spec.dtype, device=device))
+                for _ in range(spec.num_layers)]
+    return [LayerKV(*(torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(2)),
+                    *(torch.zeros(shape[:3], dtype=torch.float16, device=device) for _ in range(2)))
             for _ in range(spec.num_layers)]
 
 
