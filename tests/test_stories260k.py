@@ -87,6 +87,20 @@ def test_int8_agrees_with_float32_under_teacher_forcing(stories_dir, reference, 
     assert agree >= 0.90
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_int4_agrees_with_float32_under_teacher_forcing(stories_dir, reference, llm, kv):
+    """int4 group-wise weights (group 128, zero points, clip search), alone and with the int8
+    KV cache: agreement with fp32's top token over the reference text (52 predictions)."""
+    from tinyserve.quality import compare, score
+
+    ids = reference["prompt_token_ids"] + reference["greedy_new_token_ids"]
+    q = LLM(str(stories_dir), dtype="float32", quantization="int4", kv_cache_dtype=kv)
+    assert q.info.quantization == "int4" and q.info.weight_bytes < 0.5 * q.info.weight_bytes_unquantized
+    a = compare([score(llm, ids)], [score(q, ids)])
+    print(f"int4 (KV {kv}) vs float32: {a}")
+    assert a.agreement >= 0.85 and a.mean_abs_dlogprob < 0.3, a
+
+
 def _argmax_every_position(llm, ids):
     from tests.test_model_vs_transformers import run_step  # noqa: F401 (shared helper)
     from tinyserve.messages import ScheduledSeq

@@ -8,11 +8,15 @@ import pytest
 import torch
 
 from tinyserve.kernels.int4_matmul import dequantize_int4, int4_matmul, quantize_int4
+from tinyserve.kernels.utils import cdiv
 
 # (M, N, K, group_size): N never a multiple of the tile; K / group_size from 1 to 32 groups;
 # 96 and 384 are not powers of two (K tiles of 32 and 128 inside each group).
 SHAPES = [(1, 96, 128, 32), (3, 200, 256, 64), (17, 1000, 384, 128), (64, 96, 1024, 128),
           (3, 1000, 1024, 32), (17, 200, 384, 384), (3, 96, 384, 96), (1, 200, 256, 128)]
+# K not a multiple of G, the last group partial: stories260k's K = 64 and 172 with G = 128, four
+# groups of 64 with 8 real columns in the last, and a 24 = 16 + 8 with the smallest group.
+AWKWARD_K = [(3, 96, 64, 128), (17, 200, 172, 128), (5, 150, 200, 64), (1, 40, 24, 16)]
 DTYPES = [(torch.float32, 1e-4, 1e-5), (torch.float16, 1e-2, 1e-2)]
 if torch.cuda.is_available():  # the interpreter's bf16 tl.dot operates on raw bits
     DTYPES.append((torch.bfloat16, 5e-2, 2e-2))
@@ -32,19 +36,22 @@ def unpack_ref(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_ref(qweight, scales, zeros, group_size):
+    """[N, K_pad], padding included (tests slice the real K)."""
     q = unpack_ref(qweight).double()
     z = 8.0 if zeros is None else zeros.double().repeat_interleave(group_size, 1)
     return ((q - z) * scales.double().repeat_interleave(group_size, 1)).float()
 
 
 def random_weight(N, K, G, zeros, dtype, g):
-    """Random codes, scales in [0.01, 0.03) and zero points of the requested kind."""
-    q = torch.randint(0, 16, (N, K), generator=g)
-    scales = (0.01 + 0.02 * torch.rand(N, K // G, generator=g)).to(dtype)
+    """Random codes (the padding past K too: only x's mask keeps it out of a sum), scales in
+    [0.01, 0.03) and zero points of the requested kind, for ceil(K / G) groups."""
+    groups = cdiv(K, G)
+    q = torch.randint(0, 16, (N, groups * G), generator=g)
+    scales = (0.01 + 0.02 * torch.rand(N, groups, generator=g)).to(dtype)
     if zeros == "int":
-        z = torch.randint(0, 16, (N, K // G), generator=g).to(torch.uint8)
+        z = torch.randint(0, 16, (N, groups), generator=g).to(torch.uint8)
     elif zeros == "float":  # fractional zero points
-        z = 15 * torch.rand(N, K // G, generator=g)
+        z = 15 * torch.rand(N, groups, generator=g)
     else:
         z = None
     return pack_ref(q), scales, z
@@ -61,6 +68,20 @@ def test_int4_matmul(device, dtype, atol, rtol, zeros, M, N, K, G):
     y = int4_matmul(x.to(device), qweight.to(device), scales.to(device),
                     None if z is None else z.to(device), G)
     assert y.dtype == dtype and y.shape == (M, N)
+    torch.testing.assert_close(y.cpu().float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("zeros", ["symmetric", "int"])
+@pytest.mark.parametrize("M,N,K,G", AWKWARD_K)
+def test_k_not_a_multiple_of_the_group(device, dtype, atol, rtol, zeros, M, N, K, G):
+    g = torch.Generator().manual_seed(M + N * K + G)
+    qweight, scales, z = random_weight(N, K, G, zeros, dtype, g)
+    assert qweight.shape[1] * 8 > K  # codes past K, all random
+    x = torch.randn(M, K, generator=g).to(dtype)
+    ref = x.float() @ dequant_ref(qweight, scales, z, G)[:, :K].T
+    y = int4_matmul(x.to(device), qweight.to(device), scales.to(device),
+                    None if z is None else z.to(device), G)
     torch.testing.assert_close(y.cpu().float(), ref, atol=atol, rtol=rtol)
 
 
@@ -114,6 +135,31 @@ def test_quantize_round_trip(symmetric, G):
     torch.testing.assert_close(scales, step.clamp(min=1e-10))
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantize_a_partial_last_group(symmetric):
+    """K = 172, G = 128: the second group has 44 real columns, all positive: its statistics
+    come from them (not from the padding), and its padding dequantizes to exactly 0."""
+    g = torch.Generator().manual_seed(5)
+    N, K, G = 40, 172, 128
+    w = torch.randn(N, K, generator=g)
+    w[:, G:] = 1 + torch.rand(N, K - G, generator=g)
+    qweight, scales, zeros = quantize_int4(w, G, symmetric)
+    assert qweight.shape == (N, 256 // 8) and scales.shape == (N, 2)
+    real = w[:, G:]
+    # (asymmetric ranges include 0, as GPTQ's quantizer has them: this group's starts at 0)
+    step = real.abs().amax(-1) * 2 / 15 if symmetric else real.amax(-1) / 15
+    torch.testing.assert_close(scales[:, 1], step)
+    padded = unpack_ref(qweight)[:, K:]
+    zero_code = torch.full((N, 1), 8) if symmetric else zeros[:, 1:].long()
+    assert torch.equal(padded, zero_code.expand(N, 256 - K))
+    full = dequant_ref(qweight, scales, zeros, G)
+    assert torch.equal(full[:, K:], torch.zeros(N, 256 - K))
+    deq = dequantize_int4(qweight, scales, zeros, G, k=K)
+    assert deq.shape == (N, K) and torch.equal(deq, full[:, :K])
+    bound = scales.repeat_interleave(G, 1)[:, :K] / 2 * (1 + 1e-5)  # nothing clips
+    assert ((deq - w).abs() <= bound).all()
+
+
 def test_quantized_linear_is_close_to_the_float_one(device):
     g = torch.Generator().manual_seed(11)
     w, x = torch.randn(200, 256, generator=g), torch.randn(3, 256, generator=g)
@@ -123,24 +169,27 @@ def test_quantized_linear_is_close_to_the_float_one(device):
     assert ((y.cpu() - x @ w.T).abs() <= bound * 1.001 + 1e-4).all()
 
 
+@pytest.mark.parametrize("K", [640, 300])
 @pytest.mark.parametrize("split", [2, 3])
-def test_split_k_chunks_in_one_program_equal_separate_programs(device, split):
-    """K=640, G=64: chunks of whole groups; the same fp32 sums either way, bit for bit."""
+def test_split_k_chunks_in_one_program_equal_separate_programs(device, split, K):
+    """G=64: chunks of whole groups (K=300: the last chunk ends in padding); the same fp32 sums
+    either way, bit for bit."""
     g = torch.Generator().manual_seed(split)
-    qweight, scales, z = (t.to(device) for t in random_weight(150, 640, 64, "int", torch.float32, g))
-    x = torch.randn(37, 640, generator=g).to(device)
-    ref = x.cpu() @ dequant_ref(qweight.cpu(), scales.cpu(), z.cpu(), 64).T
+    qweight, scales, z = (t.to(device) for t in random_weight(150, K, 64, "int", torch.float32, g))
+    x = torch.randn(37, K, generator=g).to(device)
+    ref = x.cpu() @ dequant_ref(qweight.cpu(), scales.cpu(), z.cpu(), 64)[:, :K].T
     grid = int4_matmul(x, qweight, scales, z, 64, split_k=split, split_grid=True)
     inline = int4_matmul(x, qweight, scales, z, 64, split_k=split, split_grid=False)
     assert torch.equal(grid, inline)
     torch.testing.assert_close(grid.cpu(), ref, atol=1e-4, rtol=1e-5)
 
 
-def test_rows_are_batch_invariant(device):
+@pytest.mark.parametrize("K", [256, 172])
+def test_rows_are_batch_invariant(device, K):
     g = torch.Generator().manual_seed(3)
     qweight, scales, _ = (t.to(device) if t is not None else t
-                          for t in random_weight(90, 256, 128, "symmetric", torch.float32, g))
-    x = torch.randn(70, 256, generator=g).to(device)
+                          for t in random_weight(90, K, 128, "symmetric", torch.float32, g))
+    x = torch.randn(70, K, generator=g).to(device)
     full = int4_matmul(x, qweight, scales)
     assert torch.equal(int4_matmul(x[3:4], qweight, scales)[0], full[3])
     assert torch.equal(int4_matmul(x[60:], qweight, scales), full[60:])
@@ -148,15 +197,15 @@ def test_rows_are_batch_invariant(device):
 
 def test_gpu_tiles_and_grouped_grid_through_the_interpreter(device, monkeypatch):
     """The GPU's launch layout (grouped grid, 64x128 tiles, K tiles of min(128, G) for fp16 and
-    32 for fp32, split-K in both modes) against the reference."""
+    32 for fp32, split-K in both modes) against the reference; K = 488 ends in a partial group."""
     import sys
 
     mod = sys.modules["tinyserve.kernels.int4_matmul"]
     monkeypatch.setattr(mod, "INTERPRET", False)
     g = torch.Generator().manual_seed(6)
-    qweight, scales, z = random_weight(150, 512, 64, "float", torch.float32, g)
-    x = torch.randn(70, 512, generator=g)
-    ref = x @ dequant_ref(qweight, scales, z, 64).T
+    qweight, scales, z = random_weight(150, 488, 64, "float", torch.float32, g)
+    x = torch.randn(70, 488, generator=g)
+    ref = x @ dequant_ref(qweight, scales, z, 64)[:, :488].T
     qweight, scales, z = qweight.to(device), scales.to(device), z.to(device)
     for dtype, tol in ((torch.float32, dict(atol=1e-4, rtol=1e-5)),
                        (torch.float16, dict(atol=5e-2, rtol=1e-2))):
@@ -175,10 +224,11 @@ def _args(**change):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(group_size=48), "divisible by group_size"),  # 128 % 48
+    (dict(group_size=48), "not whole groups"),  # 128 % 48
     (dict(group_size=8, scales=torch.ones(8, 16)), "multiple of 16"),
     (dict(qweight=torch.zeros(8, 16, dtype=torch.int64)), "int32"),
-    (dict(qweight=torch.zeros(8, 15, dtype=torch.int32)), "inner sizes"),
+    (dict(qweight=torch.zeros(8, 12, dtype=torch.int32)), "inner sizes"),  # 96 < K = 128
+    (dict(x=torch.randn(2, 96)), "inner sizes"),  # 96 needs 3 groups of 32, qweight holds 4
     (dict(scales=torch.ones(8, 3)), "scales must be"),
     (dict(scales=torch.ones(8, 4, dtype=torch.int32)), "scales must be fp16"),
     (dict(zeros=torch.zeros(8, 5)), "zeros must be"),
@@ -193,5 +243,24 @@ def test_bad_inputs_raise(change, match):
 def test_bad_out_and_quantize_inputs_raise():
     with pytest.raises(ValueError, match="out must be"):
         int4_matmul(**_args(), out=torch.empty(2, 9))
-    with pytest.raises(ValueError, match="divisible by group_size"):
-        quantize_int4(torch.randn(4, 96), group_size=64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_int4(torch.randn(4, 96), group_size=40)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_clip_search_never_increases_a_groups_error(symmetric):
+    """The searched range starts from the plain one and keeps a shrunk one only where it
+    lowers the group's squared error: never worse per group, better on heavy-tailed weights."""
+    g = torch.Generator().manual_seed(21)
+    N, K, G = 64, 200, 64  # a partial last group too
+    w = torch.randn(N, K, generator=g) * 0.02
+    w[torch.rand(N, K, generator=g) < 0.02] *= 6  # heavy tails: a few outliers per group
+    plain = dequantize_int4(*quantize_int4(w, G, symmetric), group_size=G, k=K)
+    searched = dequantize_int4(*quantize_int4(w, G, symmetric, clip_search=20), group_size=G, k=K)
+
+    def group_err(d):
+        e = torch.nn.functional.pad((d - w) ** 2, (0, 256 - K))
+        return e.view(N, 4, G).sum(-1)
+
+    assert (group_err(searched) <= group_err(plain) * (1 + 1e-6) + 1e-12).all()
+    assert group_err(searched).sum() < 0.98 * group_err(plain).sum()

@@ -96,20 +96,21 @@ class Engine:
                                   enforce_eager=cfg.enforce_eager)
         self.info = EngineInfo(
             model_path=str(model_dir), device=self.device, dtype=str(dtype).removeprefix("torch."),
-            quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
+            quantization=weights.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
             vocab_size=mcfg.vocab_size, max_model_len=max_model_len,
             block_size=cfg.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=spec.total_bytes,
             weight_bytes=weights.nbytes(), weight_bytes_unquantized=weights.nbytes(dtype),
             eos_token_ids=self.tokenizer.eos_token_ids, random_weights=random_weights)
         self.grammars = _grammar_compiler(self.tokenizer, mcfg.vocab_size)
         self.runner.logits.grammars = self.grammars
-        if cfg.quantization:
-            log.info("int8 weights: %.2f MiB -> %.2f MiB (%.2fx smaller)",
-                     self.info.weight_bytes_unquantized / 2**20, self.info.weight_bytes / 2**20,
-                     self.info.weight_bytes_unquantized / self.info.weight_bytes)
+        if weights.quantization:
+            log.info("%s weights: %.2f MiB -> %.2f MiB (%.2fx smaller than %s)",
+                     weights.quantization, self.info.weight_bytes_unquantized / 2**20,
+                     self.info.weight_bytes / 2**20,
+                     self.info.weight_bytes_unquantized / self.info.weight_bytes, self.info.dtype)
         log.info("loaded %s (%s, %s%s) in %.1fs; KV cache (%s, %d B/token): %d blocks x %d tokens "
                  "= %d tokens, %.1f MiB", model_dir, self.device, self.info.dtype,
-                 f", {cfg.quantization}" if cfg.quantization else "", time.perf_counter() - t0,
+                 f", {weights.quantization}" if weights.quantization else "", time.perf_counter() - t0,
                  "int8 + fp16 scales" if kv_int8 else self.info.dtype, spec.bytes_per_token,
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size, spec.total_bytes / 2**20)
 

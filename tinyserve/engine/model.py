@@ -17,11 +17,12 @@ from typing import NamedTuple
 
 import torch
 
-from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig
+from tinyserve.engine.loader import Int4Linear, LayerWeights, Linear, LlamaWeights, ModelConfig
 from tinyserve.kernels import (
     add_rmsnorm,
     context_attention_paged,
     gather_rows,
+    int4_matmul,
     int8_matmul,
     matmul,
     rotary_and_write_kv,
@@ -63,7 +64,11 @@ class LayerKV(NamedTuple):
 KVCache = list[LayerKV]
 
 
-def linear(x: torch.Tensor, lin: Linear, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, lin: Linear | Int4Linear, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x: [T, in] -> [T, out], by the way ``lin`` is stored (float, int8, or int4)."""
+    if isinstance(lin, Int4Linear):
+        return int4_matmul(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, out=out)
     if lin.scale is not None:
         return int8_matmul(x, lin.weight, lin.scale, out=out)
     return matmul(x, lin.weight, out=out)
