@@ -274,3 +274,18 @@ def test_act_order_g_idx_already_quantized_and_float_checkpoints(float_checkpoin
         load_weights(path, cfg, torch.float32, "cpu")
     assert checkpoint_quantization(src) is None
     assert load_weights(src, load_model_config(src), torch.float32, "cpu").quantization is None
+
+
+def test_a_quantized_lm_head_is_refused_not_replaced_by_the_embedding(float_checkpoint, tmp_path):
+    """Some GPTQ checkpoints quantize lm_head too: without lm_head.weight the loader would
+    otherwise fall back to the tied embedding and serve a different model."""
+    hf, src = float_checkpoint
+    path = tmp_path / "gptq"
+    write_quantized(hf, src, path, "gptq-asym-v1")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.qweight"] = torch.zeros(CONFIG["hidden_size"] // 8, CONFIG["vocab_size"],
+                                             dtype=torch.int32)
+    tensors.pop("lm_head.weight", None)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="quantized LM head"):
+        load_weights(path, load_model_config(path), torch.float32, "cpu")

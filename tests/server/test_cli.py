@@ -14,7 +14,7 @@ def test_help_explains_the_knobs():
     assert out.returncode == 0
     for flag in ("--model", "--max-num-seqs", "--max-num-batched-tokens", "--num-kv-blocks",
                  "--kv-cache-memory", "--batch-timeout-ms", "--max-model-len", "--api-key",
-                 "--quantization", "--block-size", "--served-model-name"):
+                 "--quantization", "--block-size", "--served-model-name", "--kv-cache-dtype"):
         assert flag in out.stdout
 
 
@@ -64,10 +64,11 @@ def test_demo_flag_serves_the_random_weight_model(tmp_path):
 def test_two_models_stories260k_and_its_int8_variant_behind_a_route(tmp_path):
     """Acceptance (issue 7): the bundled model and its int8 variant served side by side, a
     route splitting an alias between them (sticky per user), a fallback from one to the other;
-    each model answers under its own name and has its own metrics."""
+    each model answers under its own name and has its own metrics. (q8 also keeps its KV cache
+    in int8: a per-model option, reported in the log and cache_config_info.)"""
     from tinyserve.routing import Router
 
-    srv = ServerProcess("--model", "fp=stories260k", "--model", "q8=stories260k,quantization=int8",
+    srv = ServerProcess("--model", "fp=stories260k", "--model", "q8=stories260k,quantization=int8,kv_cache_dtype=int8",
                         "--route", "chat=fp:50,q8:50", "--fallback", "fp=q8",
                         log_path=tmp_path / "two.log", model=None)
     try:
@@ -93,6 +94,9 @@ def test_two_models_stories260k_and_its_int8_variant_behind_a_route(tmp_path):
         for model in ("fp", "q8"):
             assert srv.metric("tinyserve:request_success_total", f'{{model="{model}"}}') == 3
         assert "route chat: fp:50,q8:50" in srv.log() and "fallback fp -> q8" in srv.log()
+        assert srv.metric("tinyserve:cache_config_info", 'cache_dtype="int8"') == 1
+        assert "KV cache (int8 + fp16 scales, 400 B/token)" in srv.log()
+        assert "KV cache (float32, 1280 B/token)" in srv.log()
     finally:
         assert srv.stop() == 0
 

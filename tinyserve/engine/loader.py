@@ -368,6 +368,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             down=linear(I, (p + "mlp.down_proj", D)),
         ))
     embed = dense(reader.get("model.embed_tokens.weight", (V, D)))
+    if "lm_head.qweight" in reader.files:  # (else it would fall back to the embedding)
+        raise ModelLoadError(f"{model_dir}: a quantized LM head (lm_head.qweight) is not "
+                             "supported: int4 covers the decoder's linear layers only")
     if cfg.tie_word_embeddings or "lm_head.weight" not in reader.files:
         if not cfg.tie_word_embeddings:
             log.warning("lm_head.weight is missing; using the tied embedding")
