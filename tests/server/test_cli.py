@@ -68,7 +68,8 @@ def test_two_models_stories260k_and_its_int8_variant_behind_a_route(tmp_path):
     in int8: a per-model option, reported in the log and cache_config_info.)"""
     from tinyserve.routing import Router
 
-    srv = ServerProcess("--model", "fp=stories260k", "--model", "q8=stories260k,quantization=int8,kv_cache_dtype=int8",
+    srv = ServerProcess("--model", "fp=stories260k",
+                        "--model", "q8=stories260k,quantization=int8,kv_cache_dtype=int8",
                         "--route", "chat=fp:50,q8:50", "--fallback", "fp=q8",
                         log_path=tmp_path / "two.log", model=None)
     try:
