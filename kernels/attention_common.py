@@ -22,7 +22,8 @@ An int8 cache (QUANT) has a scale per token and KV head beside it ([num_blocks, 
 Hk] fp16, see kv_cache.py). With one KV head per program (the GPU) a key tile's scales are one
 per key row, so they fold into the scores and probabilities instead of the tiles:
 
-    q . (c_k * s_k) = (q . c_k) * s_k          p @ (c_v * s_v) = (p * s_v) @ c_v
+    q . (c_k * s_k) = (q . c_k) * s_k          p @ (c_v * s_v) = ((p * s_v / m) @ c_v) * m
+    (m = the key tile's largest s_v, so p * s_v / m <= 1 stays a normal fp16 number)
 
 and the int8 codes go to tl.dot converted but unscaled (exact in fp16 / bf16: |c| <= 127).
 With several heads per program (the interpreter) a row's scale differs by column block, so
@@ -105,11 +106,16 @@ def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv_scale = 1.0
         if QUANT:
             if HEADS_PER_PROG == 1:
+                # p * s_v relative to the tile's largest scale, which multiplies the sum: p * s_v
+                # itself would be an fp16 subnormal for small values (max|v| < ~8e-3)
                 v_s = tl.load(v_scale_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+                v_top = tl.max(v_s, axis=0)
+                pv_scale = tl.where(v_top > 0.0, v_top, 1.0)
                 v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0).to(q.dtype)
-                pv = (p * v_s[None, :]).to(q.dtype)
+                pv = (p * (v_s / pv_scale)[None, :]).to(q.dtype)
             else:
                 v_s = tl.load(v_scale_ptr + s_tile, mask=kv_mask, other=0.0).to(tl.float32)
                 v = (tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0).to(tl.float32) * v_s
@@ -118,7 +124,7 @@ def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
         else:
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             pv = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC) * pv_scale
         m_i = m_new
     return m_i, l_i, acc
 

@@ -34,7 +34,8 @@ def quantize_kv(x1, x2):
     the fp16 scale [BLOCK_T, BLOCK_H] (as fp16). Padding lanes must hold 0 (they do not raise
     the max). An all-zero vector gets scale 0 and codes 0."""
     amax = tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2))
-    scale = (amax / 127.0).to(tl.float16)
+    # (capped at fp16's largest: a vector beyond 127 * 65504 clips instead of becoming NaN)
+    scale = tl.minimum(amax / 127.0, 65504.0).to(tl.float16)
     s = scale.to(tl.float32)
     inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)[:, :, None]
     c1 = _round_clamp(x1 * inv)

@@ -341,16 +341,40 @@ def test_kv_split_from_free_memory_is_share_of_what_is_left():
 
 
 def test_kv_reserve_bytes_counts_later_models_weights(tmp_path):
+    """From the safetensors headers: tensors as stored, the decoder's projections at their
+    quantized size; what is not weights (config.json) is not counted."""
+    import torch
+    from safetensors.torch import save_file
+
     d1, d2, d3 = (tmp_path / n for n in ("m1", "m2", "m3"))
-    for d, size in ((d1, 100), (d2, 1000), (d3, 40)):
+    for d, rows in ((d1, 5), (d2, 50), (d3, 2)):
         d.mkdir()
-        (d / "model.safetensors").write_bytes(b"\0" * size)
-        (d / "config.json").write_bytes(b"{}" * 500)  # not weights: not counted
+        save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(rows, 256),
+                   "model.embed_tokens.weight": torch.zeros(10, 10)}, str(d / "model.safetensors"))
+        (d / "config.json").write_bytes(b"{}" * 500)
+    fp32 = {d: rows * 256 * 4 + 400 for d, rows in ((d1, 5), (d2, 50), (d3, 2))}
     specs = build_models(EngineConfig(), [f"a={d1}", f"b={d2},quantization=int8", f"c={d3}"])
-    assert [s.engine.kv_reserve_bytes for s in specs] == [500 + 40, 40, 0]
+    int8_d2 = 50 * 256 + 50 * 4 + 400  # a byte a weight, an fp32 scale a row; embedding fp32
+    assert [s.engine.kv_reserve_bytes for s in specs] == [int8_d2 + fp32[d3], fp32[d3], 0]
+    specs = build_models(EngineConfig(), [f"a={d1}", f"b={d2},quantization=int4"])
+    assert specs[0].engine.kv_reserve_bytes == 50 * 2 * (64 + 5) + 400  # 2 groups of 128 a row
     # With an explicit KV budget nothing is reserved: the budget is already fixed.
     specs = build_models(EngineConfig(num_kv_blocks=10), [f"a={d1}", f"b={d2}"])
     assert [s.engine.kv_reserve_bytes for s in specs] == [0, 0]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_weight_estimate_bounds_what_loads(quantization):
+    import torch
+
+    from tinyserve.config import _weight_bytes
+    from tinyserve.engine.loader import load_model_config, load_weights
+    from tinyserve.models import STORIES260K
+
+    loaded = load_weights(STORIES260K, load_model_config(STORIES260K), torch.float32, "cpu",
+                          quantization).nbytes()
+    estimate = _weight_bytes(str(STORIES260K), {"quantization": quantization} if quantization else {})
+    assert loaded <= estimate <= 1.05 * loaded
 
 
 @pytest.mark.parametrize("args", [
@@ -375,7 +399,8 @@ def test_bad_kv_shares_are_refused(base, args):
     pytest.param(["a=/d1", "a=/d2"], None, id="duplicate-name"),
     pytest.param(["/x/m", "/y/m"], None, id="duplicate-dir-basename"),
     pytest.param(["a=/d1", "b=/d2"], "foo", id="served-name-with-two-models"),
-    pytest.param(["a=/d,quantization=int4"], None, id="bad-quantization"),
+    pytest.param(["a=/d,quantization=int3"], None, id="bad-quantization"),
+    pytest.param(["a=/d,kv_cache_dtype=fp8"], None, id="bad-kv-cache-dtype"),
     pytest.param(["a=/d,max_model_len=long"], None, id="bad-max-model-len"),
     pytest.param(["a=/d,max_model_len=0"], None, id="zero-max-model-len"),
 ])

@@ -6,6 +6,7 @@ Validation errors name the bad field, so CLI and API users see which knob is wro
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,11 +185,35 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
 
 
 def _weight_bytes(path: str, options: dict[str, str]) -> int:
-    """An upper bound on a checkpoint's weights in memory: its safetensors files (half of them
-    when quantized to int8 from 16 bits, a quarter for int4)."""
-    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
-    size = sum(f.stat().st_size for f in files)
-    return {"int8": size // 2, "int4": size // 4}.get(options.get("quantization") or "", size)
+    """An upper bound on a checkpoint's weights in memory, from its safetensors headers: every
+    tensor as stored, except that with quantization the decoder's projections count at their
+    quantized size (int8: a byte a weight + an fp32 scale a row; int4: half a byte, K padded
+    to the group, + a scale (fp32 at most) and a zero point a group); the embedding, the LM
+    head and the norms stay float."""
+    quant = options.get("quantization") or None
+    total = 0
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        except (OSError, ValueError):
+            total += f.stat().st_size  # unreadable here: the loader will say why
+            continue
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            stored = info["data_offsets"][1] - info["data_offsets"][0]
+            shape = info["shape"]
+            if quant is None or len(shape) != 2 or not (".layers." in name
+                                                        and name.endswith("proj.weight")):
+                total += stored
+            elif quant == "int8":
+                total += min(stored, shape[0] * shape[1] + 4 * shape[0])
+            else:  # int4, groups of 128
+                groups = -(-shape[1] // 128)
+                total += min(stored, shape[0] * groups * (64 + 5))
+    return total
 
 
 def parse_route(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:

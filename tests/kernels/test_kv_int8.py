@@ -185,6 +185,34 @@ def test_prefill_attention_over_int8_cache(device, dtype, atol, rtol, q_lens, ct
         torch.testing.assert_close(out[s: s + ql].float(), ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-4])
+def test_fp16_small_values_through_the_scale_folding_path(device, magnitude):
+    """One KV head (the GPU's path: scales folded into p): V values of 1e-4 give scales near
+    1e-6, whose products with p would be fp16 subnormals without the tile normalisation."""
+    seq_lens, Hq, Hk, Dh = [200, 37], 4, 1, 64
+    g = torch.Generator().manual_seed(3)
+    nb = 32
+    kc, ks = ref_quantize(torch.randn(nb, 16, Hk, Dh, generator=g))
+    vc, vs = ref_quantize(torch.randn(nb, 16, Hk, Dh, generator=g) * magnitude)
+    tables = torch.arange(nb, dtype=torch.int32).view(2, 16)
+    q = torch.randn(2, Hq, Dh, generator=g).half()
+    out = token_attention_paged(q.to(device), kc.to(device), vc.to(device), tables.to(device),
+                                torch.tensor(seq_lens, device=device), 200,
+                                k_scale=ks.to(device), v_scale=vs.to(device))
+    k, v = dequant(kc, ks).view(2, 256, Hk, Dh), dequant(vc, vs).view(2, 256, Hk, Dh)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention(q[b: b + 1], k[b, :n], v[b, :n], torch.tensor([n - 1]))
+        err = (out[b: b + 1].float().cpu() - ref).abs().max() / ref.abs().max()
+        assert err < 3e-3, err
+
+
+def test_huge_values_clip_instead_of_becoming_nan(device):
+    k = torch.full((1, 1, 8), 1e7, device=device)
+    kc, vc, ks, vs = empty_int8_cache(1, 16, 1, 8, device)
+    write_kv_cache(k, k.clone(), kc, vc, torch.zeros(1, dtype=torch.int64, device=device), ks, vs)
+    assert ks[0, 0, 0] == 65504 and kc[0, 0, 0].eq(127).all()
+
+
 def test_int8_cache_argument_errors(device):
     kc = torch.zeros(2, 16, 2, 8, dtype=torch.int8, device=device)
     ks = torch.zeros(2, 16, 2, dtype=torch.float16, device=device)
