@@ -46,7 +46,7 @@ EXPORTED = frozenset(
     + [f"tinyserve:{g}" for g in _GAUGES]
     + [f"tinyserve:{c}_total" for c in _COUNTERS]
     + ["tinyserve:cache_config_info"])
-CACHE_INFO_LABELS = {"model", "model_name", "block_size", "num_blocks", "num_gpu_blocks"}
+CACHE_INFO_LABELS = {"model", "model_name", "block_size", "cache_dtype", "num_blocks", "num_gpu_blocks"}
 METRIC_RE = re.compile(r"tinyserve:[A-Za-z0-9_:]*")
 
 # -- JSON schemas for the custom resources ----------------------------------------------------
