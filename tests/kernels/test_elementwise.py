@@ -178,6 +178,24 @@ def test_update_block_table_scatters_new_blocks(device):
         update_block_table(table, torch.zeros((2, 4), dtype=torch.int64, device=device))
 
 
+def fused_rotary_inputs(T, Hq, Hk, Dh, dtype, device):
+    """A random fused qkv [T, (Hq + 2Hk) * Dh], rotary tables for 300 positions, positions,
+    slots in a 16 x 8 cache (slot 0 padding), and ``views(qkv) -> q, k, v``."""
+    g = torch.Generator().manual_seed(T * Hq + Dh)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device, dtype)
+    cos = torch.randn(300, Dh // 2, generator=g).to(device)
+    sin = torch.randn(300, Dh // 2, generator=g).to(device)
+    pos = torch.randint(0, 300, (T,), generator=g).to(device)
+    slots = torch.randperm(16 * 8, generator=g)[:T].to(device)
+    slots[0] = -1  # padding: no write
+
+    def views(x):
+        return (x[:, : Hq * Dh].view(T, Hq, Dh), x[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh),
+                x[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
+
+    return qkv, cos, sin, pos, slots, views
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,Hq,Hk,Dh", [(1, 8, 4, 8), (5, 4, 4, 16), (70, 8, 2, 24), (3, 32, 8, 128)])
 def test_rotary_and_kv_write_in_one_launch_equals_the_two_kernels(device, dtype, T, Hq, Hk, Dh,
@@ -187,16 +205,8 @@ def test_rotary_and_kv_write_in_one_launch_equals_the_two_kernels(device, dtype,
     import tinyserve.kernels.rotary as rotary_mod
     from tinyserve.kernels import rotary_and_write_kv
 
-    g = torch.Generator().manual_seed(T * Hq + Dh)
-    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device, dtype)
-    cos = torch.randn(300, Dh // 2, generator=g).to(device)
-    sin = torch.randn(300, Dh // 2, generator=g).to(device)
-    pos = torch.randint(0, 300, (T,), generator=g).to(device)
-    slots = torch.randperm(16 * 8, generator=g)[:T].to(device)
-    slots[0] = -1  # padding: no write
+    qkv, cos, sin, pos, slots, views = fused_rotary_inputs(T, Hq, Hk, Dh, dtype, device)
     pos[-1] = 300 + T  # beyond the table: not rotated, k cached as it is (as the two kernels do)
-    views = lambda x: (x[:, : Hq * Dh].view(T, Hq, Dh),  # noqa: E731
-                       x[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh), x[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
     ref_qkv = qkv.clone()
     rq, rk, rv = views(ref_qkv)
     ref_kc = torch.full((16, 8, Hk, Dh), 7.0, dtype=dtype, device=device)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.kernels.test_attention import ref_attention
+from tests.kernels.test_elementwise import fused_rotary_inputs
 from tinyserve.kernels import (
     apply_rotary,
     context_attention_paged,
@@ -80,15 +81,7 @@ def test_fused_rotary_int8_write_equals_rotary_then_quantize(device, dtype, T, H
     """The fused kernel quantizes the rotated k and the raw v it holds in registers: the same
     codes as apply_rotary then the int8 write (fp16: the unfused path rounds k to fp16 first,
     so a code may differ by one)."""
-    g = torch.Generator().manual_seed(T * Hq + Dh)
-    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device, dtype)
-    cos = torch.randn(300, Dh // 2, generator=g).to(device)
-    sin = torch.randn(300, Dh // 2, generator=g).to(device)
-    pos = torch.randint(0, 300, (T,), generator=g).to(device)
-    slots = torch.randperm(16 * 8, generator=g)[:T].to(device)
-    slots[0] = -1
-    views = lambda x: (x[:, : Hq * Dh].view(T, Hq, Dh),  # noqa: E731
-                       x[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh), x[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
+    qkv, cos, sin, pos, slots, views = fused_rotary_inputs(T, Hq, Hk, Dh, dtype, device)
     ref_qkv = qkv.clone()
     rq, rk, rv = views(ref_qkv)
     apply_rotary(rq, rk, pos, cos, sin)

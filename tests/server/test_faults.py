@@ -15,6 +15,9 @@ import pytest
 from tests.server.helpers import completion, post
 from tests.server.inprocess import FakeRunner, InProcessServer
 
+# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def make_server():

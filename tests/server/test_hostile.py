@@ -13,6 +13,9 @@ import pytest
 
 from tests.server.helpers import MODEL, completion, post, run
 
+# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+pytestmark = pytest.mark.serial
+
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park",
            "One day, a cat", "Tom had a red ball", "The sun was hot", "A bird sang",
            "Mom said", "In the forest", "The big tree"]

@@ -14,6 +14,9 @@ from tests.server.conftest import metric_value
 from tests.server.inprocess import FakeRunner, InProcessServer
 from tinyserve.config import TenantConfig
 
+# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+pytestmark = pytest.mark.serial
+
 ADMIN, DEG, FIRM = "key-admin", "key-degradable", "key-firm"
 TENANTS = (TenantConfig("ops", ADMIN, admin=True),
            TenantConfig("deg", DEG, degradable=True),

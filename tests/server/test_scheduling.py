@@ -5,6 +5,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from tests.server.conftest import get
 from tests.server.helpers import completion, post, run
@@ -125,6 +126,7 @@ async def _probe_during_prefill(url):
         return latencies, still_running
 
 
+@pytest.mark.serial  # a wall-clock bound: run alone, after the parallel part (.ci/run)
 def test_health_answers_quickly_while_a_long_prefill_runs(server):
     latencies, still_running = run(_probe_during_prefill(server.url))
     assert still_running, "the prefill ended before the probes: the test measured nothing"

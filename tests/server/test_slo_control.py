@@ -3,7 +3,12 @@ cost. With --slo-ttft-ms the server keeps P95 TTFT under the target in at least 
 windows after convergence, and its goodput is at least 1.5x that of the same server without.
 (`python loadtest/bench_slo.py --phase-seconds 30` is the long version reported in README.)"""
 
+import pytest
+
 from loadtest.bench_slo import run
+
+# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+pytestmark = pytest.mark.serial
 
 
 def test_slo_control_keeps_ttft_and_goodput_under_twice_the_capacity():

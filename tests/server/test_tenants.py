@@ -13,6 +13,9 @@ from tests.server.inprocess import FakeRunner, InProcessServer
 from tinyserve.actors.quotas import TenantQuotas, TokenBucket
 from tinyserve.config import TenantConfig, load_tenants
 
+# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+pytestmark = pytest.mark.serial
+
 A, B, C = ("key-of-acme", "key-of-bobco", "key-of-acme-labs")
 TENANTS = (
     TenantConfig("acme", A, max_concurrent=2),
