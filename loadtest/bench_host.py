@@ -55,9 +55,10 @@ def _stub_launches() -> int:
 def _runner(max_len: int, enforce_eager: bool):
     import torch
 
+    from tinyserve.engine.kv_cache import KVCacheSpec
     from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
     from tinyserve.engine.model import LlamaModel
-    from tinyserve.engine.runner import KVCacheSpec, ModelRunner
+    from tinyserve.engine.runner import ModelRunner
 
     cfg = ModelConfig(**LLAMA3_8B)
     D, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size

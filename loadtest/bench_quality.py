@@ -48,7 +48,7 @@ def llama3_8b_rows(budget: int, seq_len: int) -> list[dict]:
     the byte formulas (Linear / Int4Linear storage, KVCacheSpec), not measured: no GPU here."""
     import torch
 
-    from tinyserve.engine.runner import KVCacheSpec
+    from tinyserve.engine.kv_cache import KVCacheSpec
 
     L, D, Hq, Hk, Dh, I, V = 32, 4096, 32, 8, 128, 14336, 128256
     outs = (Hq * Dh + 2 * Hk * Dh, D, 2 * I, D)  # fused qkv, o, gate_up, down

@@ -83,13 +83,14 @@ def run(phase_seconds: float = 15.0, slo_ttft_ms: float | None = 400.0, seed: in
     total = sum(s for s, _ in phases)
     good = [r for r in results if r[1] == 200 and r[2] is not None and r[2] <= target]
     last_start = total - last + converge_s  # the 2x phase, after convergence
-    windows = []
+    windows, window_p95 = [], []
     t = last_start
     while t + WINDOW_S <= total:
         ttfts = [ttft for sent, status, ttft in results
                  if t <= sent < t + WINDOW_S and status == 200 and ttft is not None]
         if ttfts:
             windows.append(p95(ttfts) <= target)
+            window_p95.append(round(p95(ttfts) * 1e3))
         t += WINDOW_S
     return {
         "requests": len(results),
@@ -97,6 +98,7 @@ def run(phase_seconds: float = 15.0, slo_ttft_ms: float | None = 400.0, seed: in
         "goodput_per_s": len(good) / total,
         "goodput_2x_per_s": sum(1 for r in good if r[0] >= total - last) / last,
         "windows_meeting_target": (sum(windows), len(windows)),
+        "window_p95_ms": window_p95,  # which windows missed, when one does
         "lost": sum(r[1] not in (200, 429, 503) for r in results),
         "idle_after": idle,
     }

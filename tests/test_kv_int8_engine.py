@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tinyserve.config import EngineConfig, build_models
-from tinyserve.engine.runner import KVCacheSpec
+from tinyserve.engine.kv_cache import KVCacheSpec
 from tinyserve.llm import LLM
 from tinyserve.messages import SamplingParams
 from tinyserve.models import STORIES260K

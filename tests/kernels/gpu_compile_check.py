@@ -177,9 +177,10 @@ def exercise_llama3_8b():
 
 def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_int8: bool = False):
     """A ModelRunner with GPU launch configurations on CPU tensors (weights never read)."""
+    from tinyserve.engine.kv_cache import KVCacheSpec
     from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
     from tinyserve.engine.model import LlamaModel
-    from tinyserve.engine.runner import KVCacheSpec, ModelRunner
+    from tinyserve.engine.runner import ModelRunner
 
     cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
                       num_heads=8, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5,

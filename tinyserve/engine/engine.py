@@ -57,9 +57,10 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.device = select_device(cfg.device)
+        from tinyserve.engine.kv_cache import KVCacheSpec
         from tinyserve.engine.loader import load_model_config, load_weights, rope_tables
         from tinyserve.engine.model import LlamaModel
-        from tinyserve.engine.runner import KVCacheSpec, ModelRunner
+        from tinyserve.engine.runner import ModelRunner
         from tinyserve.engine.tokenizer import Tokenizer
 
         random_weights = cfg.random_demo

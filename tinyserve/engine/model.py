@@ -13,10 +13,10 @@ first and use the split-KV decode kernel; the rest are prefill chunks:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
+from tinyserve.engine.kv_cache import KVCache, LayerKV
 from tinyserve.engine.loader import Int4Linear, LayerWeights, Linear, LlamaWeights, ModelConfig
 from tinyserve.kernels import (
     add_rmsnorm,
@@ -51,17 +51,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None  # [S] int64: rows whose next token is sampled (None: all)
 
 
-class LayerKV(NamedTuple):
-    """One layer's cache: k, v [num_blocks, block_size, Hk, Dh] in the model's dtype, or int8
-    with k_scale, v_scale [num_blocks, block_size, Hk] fp16 (``--kv-cache-dtype int8``)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-
-
-KVCache = list[LayerKV]
 
 
 def linear(x: torch.Tensor, lin: Linear | Int4Linear, out: torch.Tensor | None = None
