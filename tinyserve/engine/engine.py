@@ -6,6 +6,7 @@ kernels are imported, loads weights, sizes the KV cache, and owns the ModelRunne
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -81,15 +82,15 @@ class Engine:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                         max_model_len, mcfg.max_position_embeddings)
         kv_int8 = cfg.kv_cache_dtype == "int8"
-        per_block = KVCacheSpec(1, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
-                                mcfg.head_dim, dtype, kv_int8).bytes_per_block
-        num_blocks = self._num_kv_blocks(cfg, mcfg, per_block, dtype.itemsize, max_model_len)
+        one_block = KVCacheSpec(1, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
+                                mcfg.head_dim, dtype, kv_int8)
+        num_blocks = self._num_kv_blocks(cfg, mcfg, one_block.bytes_per_block, dtype.itemsize,
+                                         max_model_len)
         min_blocks = -(-max_model_len // cfg.block_size)
         if num_blocks < min_blocks:
             raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {cfg.block_size} tokens cannot "
                              f"hold one max_model_len={max_model_len} sequence ({min_blocks} needed)")
-        spec = KVCacheSpec(num_blocks, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
-                           mcfg.head_dim, dtype, kv_int8)
+        spec = dataclasses.replace(one_block, num_blocks=num_blocks)
         cos, sin = rope_tables(mcfg, max_model_len, self.device)
         self.model_config = mcfg
         self.runner = ModelRunner(LlamaModel(mcfg, weights, cos, sin), mcfg, spec, self.device,
