@@ -1,7 +1,7 @@
 """Triton kernels for the Llama forward pass, installed as ``tinyserve.kernels``.
 
 Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on the CPU through
-Triton's interpreter (``tinyserve.engine.backend.select_device`` does it for you). Launchers
+Triton's interpreter (``tinyserve.engine.device.select_device`` does it for you). Launchers
 choose block sizes from ``utils.INTERPRET``; the kernel source is the same on GPU and CPU.
 """
 

@@ -2,7 +2,7 @@
 
     python loadtest/bench_grammar.py [--walks 5] [--big]
 
-For llguidance, xgrammar and tinyserve.grammar (llguidance behind the module's API, with its
+For llguidance, xgrammar and tinyserve.text.grammar (llguidance behind the module's API, with its
 checks and bookkeeping), for each tokenizer and grammar it measures the compile time (spec -> a
 ready matcher, the library's cache off) and the per-token host cost of constrained decoding:
 fill the next-token bitmask, then accept the token, while walking through a valid output. The
@@ -112,7 +112,7 @@ def train_bpe(vocab_size: int):
 
 
 def stories():
-    from tinyserve.engine.tokenizer import Tokenizer
+    from tinyserve.text.tokenizer import Tokenizer
 
     tk = Tokenizer(MODEL_DIR)
     table = [b"" if i in tk.special_ids else bytes(tk.token_bytes(i))
@@ -146,7 +146,7 @@ class LLG:
         self.tok = llguidance.LLTokenizer(hf_tok.to_str(), n_vocab=vocab, eos_token=[eos])
 
     def compile(self, kind: str, value) -> object:
-        # As tinyserve.grammar compiles them: no canonical-tokenization forcing (see there).
+        # As tinyserve.text.grammar compiles them: no canonical-tokenization forcing (see there).
         body = {"json_object": '%json {"type": "object"}', "json_schema": f"%json {value}",
                 "regex": f"/{self.llg.regex_to_lark(value)}/"}[kind]
         lark = '%llguidance {"no_forcing": true}\nstart: ' + body
@@ -191,14 +191,14 @@ class XGR:
 
 
 class Module:
-    """tinyserve.grammar itself: llguidance plus the wrapper's checks and bookkeeping."""
+    """tinyserve.text.grammar itself: llguidance plus the wrapper's checks and bookkeeping."""
 
-    name = "tinyserve.grammar"
+    name = "tinyserve.text.grammar"
 
     def __init__(self, hf_tok, vocab: int, eos: int) -> None:
         from types import SimpleNamespace
 
-        from tinyserve import grammar
+        from tinyserve.text import grammar
 
         self.g = grammar
         self.comp = grammar.GrammarCompiler(SimpleNamespace(_tok=hf_tok), vocab, frozenset([eos]),
@@ -247,7 +247,7 @@ def main() -> None:
         try:
             for mod in mods:
                 __import__(mod)
-        except ImportError as e:  # only tinyserve.grammar's backend is a project dependency
+        except ImportError as e:  # only tinyserve.text.grammar's backend is a project dependency
             notes.append(f"{cls.name} skipped: {e}")
             continue
         imports[cls.name] = time.perf_counter() - t0

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", choices=sorted(SHAPES), default=None,
                     help="llama3-8b on a GPU, tiny on the CPU (default by device)")
     args = ap.parse_args(argv)
-    from tinyserve.engine.backend import select_device
+    from tinyserve.engine.device import select_device
 
     device = select_device()
     shapes = SHAPES[args.shapes or ("llama3-8b" if device == "cuda" else "tiny")]

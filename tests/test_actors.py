@@ -10,13 +10,13 @@ import time
 import pytest
 
 from tests.test_scheduler import FakeExecutor
-from tinyserve.actors.admission import Admission, Lane
+from tinyserve.actors.admission import Admission
 from tinyserve.actors.batcher import Batcher
 from tinyserve.actors.executor import Executor
+from tinyserve.actors.lanes import Lane, RequestHandle
 from tinyserve.actors.metrics import Metrics
-from tinyserve.core.engine import CoreConfig, EngineCore
+from tinyserve.core.engine_core import CoreConfig, EngineCore
 from tinyserve.engine.demo import write_tokenizer
-from tinyserve.engine.tokenizer import Tokenizer
 from tinyserve.messages import (
     Abort,
     Accepted,
@@ -25,6 +25,7 @@ from tinyserve.messages import (
     StepResult,
     Submit,
 )
+from tinyserve.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,7 @@ class Graph:
         self.executor = Executor({"m": execute or self._fake_step})
         self.batcher = Batcher(self.core, self.executor.inbox, self.metrics, capacity, model="m")
         self.executor.outboxes["m"] = self.batcher.inbox
-        self.admission = Admission([Lane("m", self.batcher.inbox, capacity, 64,
-                                         lambda: self.batcher.aborts_received)])
+        self.admission = Admission([Lane("m", self.batcher.inbox, capacity, 64)])
         self.admission.ready = True
 
     def _fake_step(self, plan):
@@ -82,8 +82,9 @@ class Graph:
 
     async def request(self, rid, prompt=(256, 104, 105), max_tokens=5):
         replies = asyncio.Queue(maxsize=max_tokens + 4)
+        handle = RequestHandle(rid, replies)
         self.admission.inbox.put_nowait(Submit(rid, tuple(prompt), SamplingParams(
-            max_tokens=max_tokens, temperature=0.0), time.monotonic(), replies))
+            max_tokens=max_tokens, temperature=0.0), time.monotonic(), handle))
         first = await replies.get()
         if isinstance(first, Failed):
             return first, []
@@ -94,9 +95,10 @@ class Graph:
                 out = await asyncio.wait_for(replies.get(), 10)
                 outs.append(out)
                 if isinstance(out, Failed) or out.finish_reason:
+                    handle.done = True
                     return first, outs
         finally:
-            self.admission.release(rid)  # what ingress does when the request's handler ends
+            handle.close()  # what the API does when the request's handler ends
 
 
 def test_requests_flow_through_the_actors(tokenizer):
@@ -157,7 +159,8 @@ def test_abort_frees_blocks_and_ends_the_stream(tokenizer):
         async with Graph(tokenizer) as g:
             replies = asyncio.Queue(maxsize=64)
             g.admission.inbox.put_nowait(Submit(7, (256, 1, 2, 3, 4, 5), SamplingParams(
-                max_tokens=50, temperature=0.0), time.monotonic(), replies))
+                max_tokens=50, temperature=0.0), time.monotonic(),
+                RequestHandle(7, replies)))
             assert isinstance(await replies.get(), Accepted)
             await replies.get()  # a first output: it is running
             g.batcher.inbox.put_nowait(Abort(7))
@@ -183,8 +186,9 @@ def test_the_engine_refuses_what_ingress_should_have_caught(tokenizer):
                     ((256, 5), SamplingParams(max_tokens=3, stop_token_ids=(10**9,)),
                      "stop_token_ids")]):
                 replies = asyncio.Queue(maxsize=8)
-                g.admission.inbox.put_nowait(Submit(100 + i, prompt, params, time.monotonic(),
-                                                    replies))
+                g.admission.inbox.put_nowait(Submit(
+                    100 + i, prompt, params, time.monotonic(),
+                    RequestHandle(100 + i, replies)))
                 assert isinstance(await replies.get(), Accepted)
                 failed = await asyncio.wait_for(replies.get(), 5)
                 assert isinstance(failed, Failed) and failed.status == 400, failed

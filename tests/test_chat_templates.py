@@ -6,7 +6,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import STORIES_DIR
-from tinyserve.engine.tokenizer import Tokenizer
+from tinyserve.text.tokenizer import Tokenizer
 
 LLAMA31 = """{{- bos_token }}
 {%- if custom_tools is defined %}
@@ -201,8 +201,10 @@ def test_the_api_path_renders_tools_and_calls_as_transformers(hf):
     import asyncio
     import json
 
-    from tinyserve.prompts import PromptParser
-    from tinyserve.protocol import ChatCompletionRequest, TokenizeRequest, decode_request
+    from tinyserve.api.completions import parse
+    from tinyserve.api.fields import decode_request
+    from tinyserve.api.prompts import PromptParser
+    from tinyserve.api.request_types import ChatCompletionRequest, TokenizeRequest
 
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
@@ -211,7 +213,7 @@ def test_the_api_path_renders_tools_and_calls_as_transformers(hf):
             {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
     body = json.dumps({"model": "m", "messages": wire, "tools": TOOLS}).encode()
     parser = PromptParser(4096, 512, ours(LLAMA31))
-    ids, _, tools = asyncio.run(parser.prepare(decode_request(body, ChatCompletionRequest)))
+    ids, _, tools = asyncio.run(parse(parser, decode_request(body, ChatCompletionRequest)))
     assert tools.mode == "auto" and parser.tool_parser == "llama3_json"
     as_hf = [wire[0], {"role": "assistant", "content": "", "tool_calls": [
         {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},

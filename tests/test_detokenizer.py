@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import STORIES_DIR
-from tinyserve.engine import tokenizer as tokenizer_module
-from tinyserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyserve.text import detokenizer as tokenizer_module
+from tinyserve.text.detokenizer import IncrementalDetokenizer
+from tinyserve.text.tokenizer import Tokenizer
 
 BYTE_BASE = 3  # <0x00> .. <0xFF> are ids 3 .. 258 in the Llama-2 style vocab
 FIRST_PIECE, LAST_PIECE = 259, 511  # ordinary merged pieces ("▁t", "he", ...)

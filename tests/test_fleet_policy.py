@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from tinyserve.fleet.app import FleetConfig
-from tinyserve.fleet.messages import FleetRequest, ReplicaDown, relay_headers, routing_text
 from tinyserve.fleet.policy import LoadGuard, ReplicaLoad, rank
+from tinyserve.fleet.relay import FleetRequest, ReplicaDown, relay_headers, routing_text
 from tinyserve.fleet.replica import _Holdback, has_output, load_from_metrics
 
 IDS = ["a", "b", "c"]

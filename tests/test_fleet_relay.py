@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from tinyserve.fleet.messages import FleetRequest, ReplicaDown
+from tinyserve.fleet.relay import FleetRequest, ReplicaDown
 from tinyserve.fleet.replica import ServerProcess, TinyserveReplica
 
 

@@ -1,4 +1,4 @@
-"""tinyserve.grammar on the bundled stories260k tokenizer (512 ids, byte fallback).
+"""tinyserve.text.grammar on the bundled stories260k tokenizer (512 ids, byte fallback).
 
 The model's logits are taken as 520 wide, so ids 512-519 exist for the sampler but not for the
 tokenizer: they must never be allowed.
@@ -17,8 +17,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from tinyserve.engine.tokenizer import Tokenizer
-from tinyserve.grammar import KINDS, GrammarCompiler, GrammarSpec, Matcher, bitmask_words
+from tinyserve.text.grammar import KINDS, GrammarCompiler, GrammarSpec, Matcher, bitmask_words
+from tinyserve.text.tokenizer import Tokenizer
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "tinyserve" / "models" / "stories260k"
 VOCAB = 520
@@ -287,6 +287,16 @@ def test_cache(tok):
     with ThreadPoolExecutor(4) as pool:  # racing compiles of one spec all get the cached one
         spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
         assert len({id(g) for g in pool.map(comp.compile, itertools.repeat(spec, 8))}) == 1
+
+
+def test_one_tenant_group_never_evicts_anothers_grammars(tok):
+    comp = GrammarCompiler(tok, VOCAB, tok.eos_token_ids, cache_size=2)
+    mine = comp.compile(GrammarSpec("regex", "a+", scope="acme"))
+    for i in range(10):  # another group floods the cache with schemas of its own
+        comp.compile(GrammarSpec("regex", f"b{{{i + 1}}}", scope="bobco"))
+    assert comp.compile(GrammarSpec("regex", "a+", scope="acme")) is mine  # still cached
+    # the same spec in two groups is two entries: neither can tell whether the other used it
+    assert comp.compile(GrammarSpec("regex", "a+", scope="bobco")) is not mine
 
 
 def test_fill_rejects_a_wrong_buffer(comp):

@@ -71,7 +71,7 @@ def test_same_kv_cache_memory_gives_more_blocks(caplog):
     import logging
 
     budget = 1 << 20
-    with caplog.at_level(logging.INFO, logger="tinyserve.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="tinyserve.engine.device_engine"):
         auto = LLM(kv_cache_memory=budget, max_model_len=128)
         int8 = LLM(kv_cache_memory=budget, max_model_len=128, kv_cache_dtype="int8")
     # stories260k fp32: 1280 bytes per token; int8: 400

@@ -39,9 +39,9 @@ GREEDY_MARGIN = 1e-3  # is_greedy is only compared where the top two logits are 
 @pytest.fixture(scope="module")
 def server(stories_dir):
     from tinyserve.config import EngineConfig
-    from tinyserve.engine.engine import Engine
+    from tinyserve.engine.device_engine import DeviceEngine
 
-    engine = Engine(EngineConfig(model=str(stories_dir), dtype="float32", num_kv_blocks=64,
+    engine = DeviceEngine(EngineConfig(model=str(stories_dir), dtype="float32", num_kv_blocks=64,
                                  max_model_len=256))
     srv = InProcessServer(engine=engine, max_num_seqs=16)
     yield srv

@@ -126,9 +126,9 @@ def test_config_validation_names_the_field():
 
 
 def test_bfloat16_is_refused_on_cpu(model_dir):
-    from tinyserve.engine.engine import Engine
+    from tinyserve.engine.device_engine import DeviceEngine
 
     if torch.cuda.is_available():
         pytest.skip("bf16 is allowed on a GPU")
     with pytest.raises(ValueError, match="bfloat16"):
-        Engine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
+        DeviceEngine(EngineConfig(model=str(model_dir), dtype="bfloat16"))

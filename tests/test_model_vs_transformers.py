@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from tinyserve.config import EngineConfig  # noqa: E402
 from tinyserve.engine.demo import write_tokenizer  # noqa: E402
-from tinyserve.engine.engine import Engine  # noqa: E402
+from tinyserve.engine.device_engine import DeviceEngine  # noqa: E402
 from tinyserve.messages import SamplingParams, ScheduledSeq  # noqa: E402
 
 BLOCK = 16
@@ -50,7 +50,7 @@ def checkpoint(request, tmp_path_factory):
         raw["rope_theta"] = rope["rope_theta"]
         raw["rope_scaling"] = None
         (path / "config.json").write_text(json.dumps(raw))
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK))
+    engine = DeviceEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK))
     return hf, engine
 
 
@@ -75,7 +75,7 @@ def run_step(engine, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
     runner = engine.runner
     ordered = sorted(seqs, key=lambda s: len(s.token_ids) != 1)
     rows, updates = runner.tables.apply((), ordered)  # (first_block 0: whole tables)
-    runner._push_updates(updates, statics=False)
+    runner.push_table_updates(updates, statics=False)
     batch, _ = runner.pack(ordered, rows)
     T = batch.input_ids.shape[0]
     batch = dataclasses.replace(batch, logits_indices=torch.arange(T, device=runner.device))

@@ -8,8 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tinyserve.config import EngineConfig
-from tinyserve.core.engine import CoreConfig, EngineCore
-from tinyserve.engine.engine import Engine
+from tinyserve.core.engine_core import CoreConfig, EngineCore
+from tinyserve.engine.device_engine import DeviceEngine
 from tinyserve.messages import GrammarSpec, SamplingParams
 
 # Allocation, views, copies (host<->device, and the interpreter's own argument staging).
@@ -37,7 +37,7 @@ def test_engine_step_runs_no_torch_compute(tmp_path):
     write_random_llama(tmp_path, DEMO_CONFIG)
     write_tokenizer(tmp_path)
     cfg = EngineConfig(model=str(tmp_path), num_kv_blocks=16, max_model_len=128)
-    engine = Engine(cfg)
+    engine = DeviceEngine(cfg)
     core = EngineCore(CoreConfig.from_engine(cfg, engine.info), engine.tokenizer)
     core.add_request(1, [256, 1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
     core.add_request(2, [256, 9, 8], SamplingParams(max_tokens=3, temperature=0.9, top_k=5,

@@ -21,7 +21,10 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 # against that file's source, so they cannot go stale either.
 FOREIGN_FLAGS = {"--url": "loadtest/bench.py", "--concurrency": "loadtest/bench.py",
                  "--requests": "loadtest/bench.py", "--max-tokens": "loadtest/bench.py",
-                 "--plot": "loadtest/bench.py"}
+                 "--plot": "loadtest/bench.py", "--warm-up": "tests/kernels/gpu_compile_check.py",
+                 "--resources": "tests/kernels/gpu_compile_check.py"}
+# Options of third-party programs the pages show in commands (nothing here defines them).
+THIRD_PARTY_FLAGS = {"--headless": "locust", "--dist": "pytest-xdist"}
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
@@ -108,7 +111,8 @@ def stale_runbooks(markdown: str, rules: list[dict]) -> list[str]:
 
 
 def unknown_flags(markdown: str, known: set[str]) -> list[str]:
-    return sorted({f for f in FLAG.findall(markdown) if f not in known and f not in FOREIGN_FLAGS})
+    return sorted({f for f in FLAG.findall(markdown)
+                   if f not in known and f not in FOREIGN_FLAGS and f not in THIRD_PARTY_FLAGS})
 
 
 def unknown_metrics(markdown: str, exported: set[str]) -> list[str]:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tests.test_model_vs_transformers import hf_logits, rel_l2, run_chunk  # noqa: E402
 from tinyserve.config import EngineConfig  # noqa: E402
 from tinyserve.engine.demo import write_tokenizer  # noqa: E402
-from tinyserve.engine.engine import Engine  # noqa: E402
+from tinyserve.engine.device_engine import DeviceEngine  # noqa: E402
 from tinyserve.engine.loader import (  # noqa: E402
     Int4Linear,
     ModelLoadError,
@@ -148,7 +148,7 @@ def edit_config(path, **changes):
 
 
 def engine_logits(path, **kw):
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=16, **kw))
+    engine = DeviceEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=16, **kw))
     return engine, run_chunk(engine, 0, IDS, 0, [3, 0])
 
 

@@ -1,4 +1,4 @@
-"""Model routing (tinyserve.routing) and the multi-model options of tinyserve.config.
+"""Model routing (tinyserve.core.routing) and the multi-model options of tinyserve.config.
 
 Pure Python: no server, no torch.
 """
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tinyserve import routing
 from tinyserve.config import (
     BUNDLED,
     EngineConfig,
@@ -20,8 +19,9 @@ from tinyserve.config import (
     parse_model_arg,
     parse_route,
 )
+from tinyserve.core import routing
+from tinyserve.core.routing import Router, check_weights, describe, sticky_point
 from tinyserve.models import STORIES260K
-from tinyserve.routing import Router, check_weights, describe, sticky_point
 
 KEYS = [f"default\0user-{i}" for i in range(1000)]
 W90 = (("a", 90.0), ("b", 10.0))

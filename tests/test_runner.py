@@ -12,6 +12,7 @@ from tinyserve import LLM, SamplingParams
 from tinyserve.actors.executor import Executor
 from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.runner import decode_buckets
+from tinyserve.engine.warmup import eager_warm_shapes, warm_up
 from tinyserve.kernels.utils import Recording, recording
 from tinyserve.messages import ScheduledSeq, StepPlan, StepResult
 
@@ -130,8 +131,8 @@ def test_greedy_is_identical_with_and_without_bucket_padding(llms):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # bit for bit: the padding never touches a real row
     runner = llms[False].engine.runner
-    assert {8, 4, 2, 1} <= {b for b, _ in runner._recorded}, "the padded path did not run"
-    assert not llms[True].engine.runner._recorded
+    assert {8, 4, 2, 1} <= {b for b, _ in runner.recorded}, "the padded path did not run"
+    assert not llms[True].engine.runner.recorded
 
 
 def test_sampled_requests_are_identical_with_and_without_padding(llms):
@@ -175,21 +176,21 @@ def test_an_out_of_sync_plan_fails_its_step_and_the_runner_goes_on(llms):
 def test_warm_up_records_every_bucket_so_serving_records_none(stories_dir):
     llm = LLM(str(stories_dir), dtype="float32", max_num_seqs=5)
     runner = llm.engine.runner
-    assert runner.warm_up()["buckets"] == []  # the interpreter: nothing to compile, recorded lazily
-    info = runner.warm_up(compile_all=True)  # what a GPU runs
+    assert warm_up(runner)["buckets"] == []  # the interpreter: nothing to compile, recorded lazily
+    info = warm_up(runner, compile_all=True)  # what a GPU runs
     assert info["buckets"] == [1, 2, 4, 5] and info["split_classes"] == [512]  # (CPU split 4096)
-    assert set(runner._recorded) == {(1, 512), (2, 512), (4, 512), (5, 512)}
+    assert runner.recorded == {(1, 512), (2, 512), (4, 512), (5, 512)}
     # 6 variants x 4 bucket sizes x (raw, processed, masked, both), and prompt logprobs (2 x 4)
     assert info["cuda_graphs"] is False and info["sampling_variants"] == 6 * 4 * 4 + 2 * 4
     # chunks of 16 and 17 alone, 16 rows of 32, then 1/2/15/16 decodes beside a chunk of 16,
     # at one KV split (the only split on the CPU: 4096 keys)
-    shapes = runner.eager_warm_shapes()
+    shapes = eager_warm_shapes(runner)
     assert shapes[:3] == [((), (16,)), ((), (17,)), ((512,) * 15, (17,))]
     assert shapes[3:] == [((512,) * n, (16,)) for n in (1, 2, 15, 16)]
     assert info["eager_shapes"] == 7
-    recorded = dict(runner._recorded)
+    recorded = runner.recorded
     llm.generate(PROMPTS[:5], SamplingParams(max_tokens=6, temperature=0.0))
-    assert runner._recorded == recorded  # serving (which records what it lacks) added nothing
+    assert runner.recorded == recorded  # serving (which records what it lacks) added nothing
 
 
 def test_split_classes_round_the_longest_sequence_up_to_a_power_of_two_of_splits(llms):
@@ -279,4 +280,4 @@ def test_greedy_matches_transformers_with_and_without_padding(tmp_path):
         llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, enforce_eager=eager)
         got = [list(o.token_ids) for o in llm.generate(prompts, params)]
         assert got == want, f"enforce_eager={eager}"
-        assert bool(llm.engine.runner._recorded) != eager  # padded buckets 4, 2, 1 did run
+        assert bool(llm.engine.runner.recorded) != eager  # padded buckets 4, 2, 1 did run

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tinyserve.protocol import ApiError
-from tinyserve.tools import ToolOutput, plan
+from tinyserve.api.errors import ApiError
+from tinyserve.api.tools import ToolOutput, plan
 
 F = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}}

@@ -20,7 +20,7 @@ from tinyserve.config import (  # noqa: E402
     parse_fallback,
     parse_route,
 )
-from tinyserve.routing import Router  # noqa: E402
+from tinyserve.core.routing import Router  # noqa: E402
 
 
 def parse_size(text: str) -> int:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     listener = None
     if server_cfg.access_log:
-        from tinyserve import access_log
+        from tinyserve.api import access_log
 
         listener = access_log.configure()
     try:

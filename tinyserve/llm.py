@@ -12,9 +12,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from tinyserve.config import EngineConfig
-from tinyserve.core.engine import CoreConfig, EngineCore
+from tinyserve.core.engine_core import CoreConfig, EngineCore
 from tinyserve.core.request import Request
-from tinyserve.engine.engine import Engine
+from tinyserve.engine.device_engine import DeviceEngine
 from tinyserve.messages import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class LLM:
         self.config = EngineConfig(model=model, dtype=dtype, quantization=quantization,
                                    block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    **engine_kwargs)
-        self.engine = Engine(self.config)
+        self.engine = DeviceEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.info = self.engine.info
         self.core = EngineCore(CoreConfig.from_engine(self.config, self.info), self.tokenizer)

@@ -1,6 +1,6 @@
 """Every message that crosses an actor queue, in one file: this is the wiring diagram.
 
-    Ingress --Submit--> Admission --Submit--> Batcher --StepPlan--> Executor
+    Ingress (api/) --Submit--> Admission --Submit--> Batcher --StepPlan--> Executor
        ^  |                 |                   ^  |                   |
        |  +----Abort--------|------------------>|  +---StepResult------+
        +--Accepted/Failed---+                   |
@@ -14,17 +14,29 @@ steps in turn: its inbox takes (model name, StepPlan).
     snapshots and, on a fatal fault, fails every pending request through Ingress)
 
 Messages are small frozen msgspec Structs; token ids are tuples; no tensors cross a queue. A
-Submit carries its reply-to address (the request's own output queue), as actors do. Request
-ids are the server's own integers: nothing a client sends ever keys server state.
+Submit carries its request's handle (its own output queue and the slot it holds), as actors
+carry a reply-to address. Request ids are the server's own integers: nothing a client sends
+ever keys server state.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 # -- what a request asks for ----------------------------------------------------------------
+
+
+class FieldError(ValueError):
+    """A request value that cannot be taken; ``field`` names it (the 400's ``param``). Raised
+    by SamplingParams' range checks and the engine core's vocabulary checks."""
+
+    def __init__(self, field: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.field, self.code = field, code
+
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_STOP_STRINGS = 16
@@ -35,10 +47,12 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries: bounds the per-step penalty lists
 class GrammarSpec(msgspec.Struct, frozen=True):
     """Structured output (grammar.py): ``kind`` is json_object, json_schema (``value``: the
     schema as JSON text), regex (the pattern), choice (a JSON list of strings) or grammar
-    (Lark or GBNF text)."""
+    (Lark or GBNF text). ``scope`` is the tenant's cache group: compiled grammars are cached
+    per scope, so tenants never evict each other's."""
 
     kind: str
     value: str = ""
+    scope: str = ""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +88,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.structs.force_setattr(self, "stop", stop)
         msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        if not all(math.isfinite(b) for _, b in bias):  # (before clamping: NaN would pass)
+            raise FieldError("logit_bias", "logit_bias values must be finite numbers")
         # vLLM clamps biases to [-100, 100]; the last entry for a token wins (as in a dict)
         merged = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias}
         msgspec.structs.force_setattr(self, "logit_bias", tuple(sorted(merged.items())))
@@ -81,41 +97,44 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise FieldError("max_tokens", "max_tokens must be an integer >= 1, got "
+                             f"{self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise FieldError("temperature", f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
-        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64):
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+            raise FieldError("top_k", "top_k must be -1, 0 (disabled) or a positive integer, got "
+                      f"{self.top_k}")
+        if self.seed is not None and not (isinstance(self.seed, int)
+                                          and -(2**63) <= self.seed < 2**64):
+            raise FieldError("seed", f"seed must be a 64-bit integer, got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise FieldError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got "
+                      f"{len(self.stop)}")
         if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings of 1 to {MAX_STOP_CHARS} "
-                             "characters")
+            raise FieldError("stop", f"stop must be a string or a list of strings of 1 to "
+                      f"{MAX_STOP_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS or not all(
                 isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_STRINGS} non-negative "
-                             "integers")
-        if self.logprobs is not None and not (
-                isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
-                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                             f"{self.prompt_logprobs}")
+            raise FieldError("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_STRINGS} "
+                      "non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
+                raise FieldError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise FieldError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise FieldError("repetition_penalty", "repetition_penalty must be in (0, 2], got "
+                      f"{self.repetition_penalty}")
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
-                             f"{self.min_tokens!r}")
+            raise FieldError("min_tokens", f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                      f"got {self.min_tokens!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS or any(t < 0 for t, _ in self.logit_bias):
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} non-negative token ids")
+            raise FieldError("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} non-negative "
+                      "token ids")
 
     @property
     def greedy(self) -> bool:
@@ -215,7 +234,8 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_time: float  # time.monotonic() at ingress
-    reply_to: Any  # asyncio.Queue of Accepted | Failed | Output, owned by the request
+    # actors.lanes.RequestHandle: the request's reply queue and the slot admission gives it
+    handle: Any
     cache_salt: bytes = b""  # the tenant's cache group: prefix-cache sharing scope
     tenant: str = "default"
     priority: int = 0  # the tenant's
@@ -226,12 +246,19 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     # n > 1: the first choice's id, on the others: they start once it has its first token
     after: int | None = None
 
+    @property
+    def reply_to(self) -> Any:
+        """asyncio.Queue of Accepted | Failed | Output, owned by the request."""
+        return self.handle.replies
+
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
-    """The client is gone. Sent only once the request was Accepted: admission forwards the
-    Submit before it says Accepted, so an Abort can never overtake its Submit."""
+    """The client is gone. Sent only by the request's handle once admission has taken it
+    (admission queues the Submit first, so an Abort can never overtake its Submit); the
+    batcher tells the handle it has it (``abort_taken``)."""
 
     request_id: int
+    handle: Any = None
 
 
 class AbortAll(msgspec.Struct, frozen=True, tag=True):

@@ -23,21 +23,23 @@ from typing import Any
 
 from aiohttp import web
 
-from tinyserve.actors.admission import Admission, Lane
+from tinyserve.actors.admission import Admission
 from tinyserve.actors.batcher import Batcher
 from tinyserve.actors.executor import Executor
-from tinyserve.actors.ingress import Backend, Ingress
+from tinyserve.actors.lanes import Lane, RequestHandle
 from tinyserve.actors.metrics import Metrics
 from tinyserve.actors.supervisor import Supervisor
+from tinyserve.api.app import Api
+from tinyserve.api.context import Serving
+from tinyserve.api.prompts import PromptParser
 from tinyserve.config import ModelSpec, ServerConfig
+from tinyserve.core.routing import Router, describe
 from tinyserve.core.slo import SloController
-from tinyserve.messages import Abort, AbortAll, Failed, Output, SamplingParams, Submit
-from tinyserve.prompts import PromptParser
-from tinyserve.routing import Router, describe
+from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
 
 log = logging.getLogger(__name__)
 
-WARMUP_ID = 0  # ingress numbers requests from 1
+WARMUP_ID = 0  # the API numbers requests from 1
 PROBE_S, PROBE_MAX_S = 5.0, 60.0  # a down model is probed after this long, then less often
 PROBE_STABLE_S = 60.0  # up this long after a probe: the next failure starts the backoff anew
 
@@ -54,7 +56,7 @@ class Server:
         self._engines = dict(engines or {})
         # Checks names, routes and fallbacks before anything loads (ValueError).
         self.router = Router([m.name for m in self.models], cfg.routes, cfg.fallbacks)
-        self.ingress = Ingress(cfg)
+        self.api = Api(cfg)
         self.metrics: Metrics | None = None
         self.admission: Admission | None = None
         self.batchers: dict[str, Batcher] = {}
@@ -67,7 +69,7 @@ class Server:
         self._probes: set[asyncio.Task] = set()
         self._probe_delay: dict[str, float] = {}  # the wait before a down model's next probe
         self._up_since: dict[str, float] = {}  # when a probe last brought a model back
-        self._probe_ids = itertools.count(-1, -1)  # ingress numbers requests from 1
+        self._probe_ids = itertools.count(-1, -1)  # the API numbers requests from 1
 
     @property
     def batcher(self) -> Batcher:
@@ -75,7 +77,7 @@ class Server:
         return next(iter(self.batchers.values()))
 
     async def start_http(self) -> None:
-        self._runner = web.AppRunner(self.ingress.app(), handler_cancellation=True,
+        self._runner = web.AppRunner(self.api.app(), handler_cancellation=True,
                                      access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -83,19 +85,52 @@ class Server:
         self.port = self._runner.addresses[0][1]
 
     async def load(self) -> None:
-        from tinyserve.core.engine import CoreConfig, EngineCore
-
+        """Load every model, start the actors, warm up, then report ready."""
         loop = asyncio.get_running_loop()
         engines = {}
         for spec in self.models:  # one at a time: each sizes its KV from what is left
             engine = self._engines.get(spec.name)
             if engine is None:
-                from tinyserve.engine.engine import Engine
+                from tinyserve.engine.device_engine import DeviceEngine
 
-                engine = await loop.run_in_executor(None, Engine, spec.engine)
+                engine = await loop.run_in_executor(None, DeviceEngine, spec.engine)
             engines[spec.name] = engine
         self._check_fallbacks(engines)
         self._tokenizers = {name: e.tokenizer for name, e in engines.items()}
+        self._start_actors(engines)
+        roots = {spec.name: spec.engine.resolved_model for spec in self.models}
+        parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer,
+                                      roots[name], getattr(e, "grammars", None),
+                                      self.cfg.tool_call_parser)
+                   for name, e in engines.items()}
+        self.api.serving = Serving(parsers, self.admission, self.router, self.metrics,
+                                   self.supervisor)
+        self._log_setup()
+        for spec in self.models:
+            warm_up = getattr(engines[spec.name], "warm_up", None)
+            if warm_up is not None:  # every kernel specialization, before the first request
+                await loop.run_in_executor(None, warm_up)
+            await self._warm_up(spec.name, engines[spec.name].tokenizer)
+        if self.freeze_heap:
+            # Everything alive now (weights, kernels, tokenizers, the interpreter's caches)
+            # lives as long as the process: freezing it keeps the collector from walking it
+            # again. A full collection over that heap stalled the event loop 100+ ms at a time.
+            gc.collect()
+            gc.freeze()
+        self.admission.ready = True
+        for name, e in engines.items():
+            info = e.info
+            log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB, %s)%s%s",
+                     name, info.max_model_len, info.num_kv_blocks, info.block_size,
+                     info.kv_cache_bytes / 2**20, info.kv_cache_dtype,
+                     f", {info.quantization}" if info.quantization else "",
+                     " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
+
+    def _start_actors(self, engines: dict[str, Any]) -> None:
+        """Metrics, the executor over every model's runner, a batcher and a lane per model,
+        admission over the lanes, and the supervisor watching them all."""
+        from tinyserve.core.engine_core import CoreConfig, EngineCore
+
         infos = {name: e.info for name, e in engines.items()}
         self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
                                max(m.engine.max_num_batched_tokens for m in self.models),
@@ -114,8 +149,7 @@ class Server:
                               self.cfg.batch_timeout_ms, slo, spec.name, self.cfg.overlap)
             self.batchers[spec.name] = batcher
             self.executor.outboxes[spec.name] = batcher.inbox
-            lane = Lane(spec.name, batcher.inbox, capacity, info.max_model_len,
-                        lambda b=batcher: b.aborts_received, slo,
+            lane = Lane(spec.name, batcher.inbox, capacity, info.max_model_len, slo,
                         self.router.fallbacks.get(spec.name))
             slo.pressure = lambda lane=lane: lane.refused  # read when a window closes
             lanes.append(lane)
@@ -127,15 +161,11 @@ class Server:
         actors = [("metrics", self.metrics.run()), ("admission", self.admission.run()),
                   ("supervisor", self.supervisor.run())]
         actors += [(f"batcher[{name}]", b.run()) for name, b in self.batchers.items()]
+        loop = asyncio.get_running_loop()
         for name, coro in actors:
             self.supervisor.watch(loop.create_task(coro, name=name))
-        roots = {spec.name: spec.engine.resolved_model for spec in self.models}
-        parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer,
-                                      roots[name], getattr(e, "grammars", None),
-                                      self.cfg.tool_call_parser)
-                   for name, e in engines.items()}
-        self.ingress.backend = Backend(parsers, self.admission, self.router, self.metrics,
-                                       self.supervisor)
+
+    def _log_setup(self) -> None:
         for t in self.cfg.tenants:  # keys are never logged: a short hash tells them apart
             log.info("tenant %s: key sha256:%s, priority %d, max_concurrent %s, "
                      "tokens_per_minute %s, cache_group %r%s%s", t.name, t.key_id, t.priority,
@@ -146,25 +176,6 @@ class Server:
         for name, other in self.router.fallbacks.items():
             log.info("fallback %s -> %s (degradable tenants, while %s is degraded or down)",
                      name, other, name)
-        for spec in self.models:
-            warm_up = getattr(engines[spec.name].runner, "warm_up", None)
-            if warm_up is not None:  # every kernel specialization, before the first request
-                await loop.run_in_executor(None, warm_up)
-            await self._warm_up(spec.name, engines[spec.name].tokenizer)
-        if self.freeze_heap:
-            # Everything alive now (weights, kernels, tokenizers, the interpreter's caches)
-            # lives as long as the process: freezing it keeps the collector from walking it
-            # again. A full collection over that heap stalled the event loop 100+ ms at a time.
-            gc.collect()
-            gc.freeze()
-        self.admission.ready = True
-        for spec in self.models:
-            info = infos[spec.name]
-            log.info("model %r ready: max_model_len %d, KV %d blocks x %d tokens (%.1f MiB, %s)%s%s",
-                     spec.name, info.max_model_len, info.num_kv_blocks, info.block_size,
-                     info.kv_cache_bytes / 2**20, info.kv_cache_dtype,
-                     f", {info.quantization}" if info.quantization else "",
-                     " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
 
     def _check_fallbacks(self, engines: dict[str, Any]) -> None:
         """A fallback serves prompts tokenized (and bounded by the vocabulary) for the other
@@ -181,7 +192,7 @@ class Server:
         and probe it until a step runs again. A model that fails again soon after a probe
         brought it back keeps doubling its wait (a probe can pass where real traffic fails)."""
         self.admission.lanes[model].down = reason
-        self.ingress.fail_all(503, f"the model {model} is unavailable: {reason}", model)
+        self.api.fail_all(503, f"the model {model} is unavailable: {reason}", model)
         recently_up = time.monotonic() - self._up_since.get(model, -PROBE_STABLE_S) < PROBE_STABLE_S
         delay = min(PROBE_MAX_S, 2 * self._probe_delay[model]) if recently_up else PROBE_S
         self._probe_delay[model] = delay
@@ -198,14 +209,10 @@ class Server:
             await asyncio.sleep(self._probe_delay[model])
             if self.supervisor.failure or self.admission.draining:
                 return
-            rid = next(self._probe_ids)
             try:
                 async with asyncio.timeout(self.cfg.step_timeout_s + 5):
-                    await self._warm_up(model, self._tokenizers[model], rid)
+                    await self._warm_up(model, self._tokenizers[model], next(self._probe_ids))
             except (RuntimeError, TimeoutError) as e:
-                if isinstance(e, TimeoutError):  # still queued or running: take it back out
-                    lane.batcher_inbox.put_nowait(Abort(rid))
-                    lane.aborts_sent += 1
                 delay = self._probe_delay[model] = min(PROBE_MAX_S, 2 * self._probe_delay[model])
                 log.warning("model %s: probe failed (%s); next in %gs", model, e, delay)
                 continue
@@ -215,24 +222,26 @@ class Server:
             return
 
     def _on_fatal(self, reason: str) -> None:
-        self.ingress.fail_all(503, f"the server is unhealthy: {reason}")
+        self.api.fail_all(503, f"the server is unhealthy: {reason}")
 
     async def _warm_up(self, model: str, tokenizer, rid: int = WARMUP_ID) -> None:
         """One real request through admission, batcher and executor (before we report ready,
-        and to probe a model that is down); RuntimeError if it fails."""
+        and to probe a model that is down); RuntimeError if it fails. Cancelled (a probe's
+        timeout), it is taken back out of wherever it is."""
         t0 = time.perf_counter()
-        replies: asyncio.Queue = asyncio.Queue(maxsize=8)
+        handle = RequestHandle(rid, asyncio.Queue(maxsize=8))
         prompt = (tokenizer.bos_token_id or 0,) * 2
         await self.admission.inbox.put(Submit(rid, prompt, SamplingParams(
-            max_tokens=2, temperature=0.0, ignore_eos=True), time.monotonic(), replies,
+            max_tokens=2, temperature=0.0, ignore_eos=True), time.monotonic(), handle,
             model=model, internal=True))
         try:
             while True:
-                msg = await replies.get()
+                msg = await handle.replies.get()
                 if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
+                    handle.done = True
                     break
         finally:
-            self.admission.release(rid)
+            handle.close()
         if isinstance(msg, Failed):
             raise RuntimeError(f"{model}: warm-up step failed: {msg.message}")
         log.info("%s: warm-up done in %.2fs", model, time.perf_counter() - t0)
@@ -252,9 +261,9 @@ class Server:
         before admission, queued, running, or writing its last bytes."""
         if not self.batchers:
             return
-        log.info("draining: %d requests in flight", self.ingress.num_live)
+        log.info("draining: %d requests in flight", self.api.num_live)
         if not await self._until_no_live(self.cfg.drain_timeout_s):
-            log.warning("drain timeout: ending %d requests with 503", self.ingress.num_live)
+            log.warning("drain timeout: ending %d requests with 503", self.api.num_live)
             for batcher in self.batchers.values():
                 batcher.inbox.put_nowait(AbortAll(503, "the server is shutting down"))
             # Their handlers write the error (bounded: a stuck client must not hold us).
@@ -262,7 +271,7 @@ class Server:
 
     async def _until_no_live(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
-        while self.ingress.num_live:
+        while self.api.num_live:
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.02)

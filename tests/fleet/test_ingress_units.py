@@ -1,11 +1,15 @@
 """The ingress's stream tail and error reporting, without a cluster."""
 
 import asyncio
+import json
 
 from ray.exceptions import RayTaskError
+from starlette.requests import Request
+from starlette.responses import Response
 
+from tinyserve.config import TenantConfig
 from tinyserve.fleet.ingress import FleetIngress, _reason
-from tinyserve.fleet.messages import ReplicaDown
+from tinyserve.fleet.relay import ReplicaDown
 
 
 class _Gen:
@@ -63,3 +67,43 @@ def test_reason_never_carries_a_remote_traceback():
                                c).as_instanceof_cause()
     assert _reason(wrapped) == "replica abc: its server process has exited"
     assert _reason(RuntimeError("secret /path")) == "RuntimeError"
+
+
+def _request(headers: list[tuple[str, str]], body: bytes) -> Request:
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
+    sent = []
+
+    async def receive():
+        if sent:
+            return {"type": "http.disconnect"}
+        sent.append(1)
+        return {"type": "http.request", "body": body, "more_body": False}
+    return Request(scope, receive)
+
+
+class _Replicas:
+    def options(self, **kw):
+        return self
+
+
+def test_an_unknown_callers_prompt_never_steers_routing():
+    """The prefix tree learns prompts from the bodies it routes: only a caller whose key the
+    replicas accept may feed it (the request is still relayed: the replica answers 401)."""
+    ingress = FleetIngress(_Replicas(), tenants=(TenantConfig("acme", api_key="key-a"),))
+    seen = []
+
+    async def answer(req):
+        seen.append(req)
+        return Response(b"")
+
+    ingress._answer = answer
+    body = json.dumps({"model": "m", "prompt": "Once upon a time"}).encode()
+    for headers in ([], [("Authorization", "Bearer wrong")], [("Authorization", "Bearer key-a")]):
+        asyncio.run(ingress(_request(headers, body)))
+    assert [r.prompt for r in seen] == ["", "", "Once upon a time"]
+    assert all(r.body == body for r in seen)
+    keyless = FleetIngress(_Replicas())  # no keys configured: everyone is the one tenant
+    keyless._answer = answer
+    asyncio.run(keyless(_request([], body)))
+    assert seen[-1].prompt == "Once upon a time"

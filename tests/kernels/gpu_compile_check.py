@@ -210,6 +210,7 @@ def warm_up_coverage() -> int:
 
 
 def _coverage(enforce_eager: bool, kv_int8: bool = False) -> int:
+    from tinyserve.engine.warmup import warm_up
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
     def keys():
@@ -218,7 +219,7 @@ def _coverage(enforce_eager: bool, kv_int8: bool = False) -> int:
     runner = _tiny_runner(max_num_seqs=16, max_model_len=2048, enforce_eager=enforce_eager,
                           kv_int8=kv_int8)
     captured.clear()
-    runner.warm_up(compile_all=True)
+    warm_up(runner, compile_all=True)
     warm = keys()
     captured.clear()
     variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3),

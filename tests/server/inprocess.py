@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 
 from tinyserve.config import EngineConfig, ModelSpec, ServerConfig
-from tinyserve.engine.engine import EngineInfo
-from tinyserve.engine.tokenizer import Tokenizer
+from tinyserve.engine.device_engine import EngineInfo
 from tinyserve.messages import SeqOutput, StepPlan, StepResult
 from tinyserve.models import STORIES260K
 from tinyserve.server import Server
+from tinyserve.text.tokenizer import Tokenizer
 
 FIRST_WORD, NUM_WORDS = 259, 253  # stories260k's merged pieces: printable text
 
@@ -81,7 +81,7 @@ class InProcessServer:
                  num_kv_blocks: int = 512, models: dict[str, FakeRunner] | None = None,
                  engine=None, freeze_heap: bool = False, **cfg) -> None:
         """``models``: several served models by name, each on its own fake runner (default:
-        one, ``stories260k``, on ``runner``). ``engine``: a real Engine to serve instead (as
+        one, ``stories260k``, on ``runner``). ``engine``: a real DeviceEngine to serve instead (as
         ``stories260k``). ``freeze_heap``: freeze the process's heap once loaded, as
         ``python -m tinyserve`` does (for latency measurements; undone by ``stop``)."""
         self.runners = models or {"stories260k": runner or FakeRunner()}
@@ -117,7 +117,7 @@ class InProcessServer:
                     "waiting": sum(c.scheduler.num_waiting for c in cores),
                     "kv_usage": sum(c.kv.usage for c in cores),
                     "requests": sum(len(c.requests) for c in cores),
-                    "live": self.server.ingress.num_live}
+                    "live": self.server.api.num_live}
         return self.call(read())
 
     def wait_idle(self, timeout: float = 20.0) -> dict:

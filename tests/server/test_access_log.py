@@ -112,7 +112,7 @@ def test_off_by_default(caplog):
 def test_a_line_never_raises_and_a_slow_reader_never_blocks(monkeypatch):
     import queue
 
-    from tinyserve import access_log
+    from tinyserve.api import access_log
 
     info = access_log.AccessInfo(started=0.0)
     access_log.write(info, "GET", "/v1/\udcff", 404, None)  # a lone surrogate: no exception

@@ -9,8 +9,10 @@ from openai import OpenAI
 
 from tests.server.conftest import get
 from tests.server.helpers import MODEL, chat, completion, post, run
-from tinyserve import api_fields
-from tinyserve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, decode_request
+from tinyserve.api import fields as api_fields
+from tinyserve.api.errors import ApiError
+from tinyserve.api.fields import decode_request
+from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
 
 
 def client(server) -> OpenAI:
@@ -53,7 +55,7 @@ def test_fields_nobody_defines_are_ignored_and_logged_once(server, caplog):
     status, out, _ = run(post(server.url, "/v1/completions",
                               {**completion("Once"), "x_my_tracing_tag": "abc"}))
     assert status == 200, out
-    with caplog.at_level(logging.INFO, logger="tinyserve.api_fields"):
+    with caplog.at_level(logging.INFO, logger="tinyserve.api.fields"):
         api_fields._seen_unknown.discard("zz_unknown")
         for _ in range(3):
             decode_request(b'{"model": "m", "prompt": "x", "zz_unknown": 1}', CompletionRequest)
@@ -211,11 +213,11 @@ def test_logprobs_zero_names_the_sampled_token(server):
 def test_openapi_names_every_api_route():
     import re
 
-    from tinyserve.actors.ingress import Ingress
+    from tinyserve.api.app import Api
+    from tinyserve.api.openapi import openapi_spec
     from tinyserve.config import ServerConfig
-    from tinyserve.openapi import openapi_spec
 
-    app = Ingress(ServerConfig()).app()
+    app = Api(ServerConfig()).app()
     routes = {(r.method.lower(), re.sub(r"\{(\w+):[^}]*\}", r"{\1}", r.resource.canonical))
               for r in app.router.routes() if r.method != "HEAD"}
     paths = openapi_spec("x")["paths"]
@@ -245,30 +247,34 @@ def test_stop_token_ids_end_the_text_without_their_own(server):
 
 
 def test_skip_special_tokens_reaches_the_engine():
-    from tinyserve.protocol import to_sampling_params
+    from tinyserve.api.sampling import sampling_params
 
     req = decode_request(b'{"model": "m", "prompt": "x", "skip_special_tokens": false, '
                          b'"stop_token_ids": [3, 4]}', CompletionRequest)
-    params = to_sampling_params(req, 4, 512)
+    params, _ = sampling_params(req, 4)
     assert params.skip_special_tokens is False and params.stop_token_ids == (3, 4)
 
 
 def test_a_batch_no_wait_could_admit_is_a_400():
     from types import SimpleNamespace
 
-    from tinyserve.actors.ingress import Ingress
+    from tinyserve.api.generate import _check_batch
     from tinyserve.config import TenantConfig
     from tinyserve.messages import SamplingParams
 
     b = SimpleNamespace(admission=SimpleNamespace(lanes={"m": SimpleNamespace(capacity=8)}))
     params = SamplingParams(max_tokens=10)
-    fits = Ingress._batch_fits
-    fits(b, [[1, 2]] * 8, params, TenantConfig("t"), "m")  # exactly the capacity
+
+    def fits(prompts, tenant):
+        job = SimpleNamespace(prompts=prompts, n=1, tenant=tenant, model="m", params=params)
+        _check_batch(b, job, len(prompts))
+
+    fits([[1, 2]] * 8, TenantConfig("t"))  # exactly the capacity
     for tenant, n, what in ((TenantConfig("t"), 9, "capacity"),
                             (TenantConfig("t", max_concurrent=2), 3, "max_concurrent"),
                             (TenantConfig("t", tokens_per_minute=30), 3, "per minute")):
         with pytest.raises(ApiError) as e:
-            fits(b, [[1, 2]] * n, params, tenant, "m")
+            fits([[1, 2]] * n, tenant)
         assert e.value.status == 400 and what in e.value.message
 
 

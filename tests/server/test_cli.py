@@ -66,7 +66,7 @@ def test_two_models_stories260k_and_its_int8_variant_behind_a_route(tmp_path):
     route splitting an alias between them (sticky per user), a fallback from one to the other;
     each model answers under its own name and has its own metrics. (q8 also keeps its KV cache
     in int8: a per-model option, reported in the log and cache_config_info.)"""
-    from tinyserve.routing import Router
+    from tinyserve.core.routing import Router
 
     srv = ServerProcess("--model", "fp=stories260k",
                         "--model", "q8=stories260k,quantization=int8,kv_cache_dtype=int8",

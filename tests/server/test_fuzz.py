@@ -9,6 +9,7 @@ the server runs on its own loop thread) and every answer must satisfy, whatever 
 
     never a 5xx, never a hang (a 10 s client timeout)
     not 200 -> a 4xx in the OpenAI error envelope with a message
+    not a JSON Content-Type -> 415 (before anything else is read)
     bad key -> 401; valid body + good key -> 200; a body broken on purpose -> 4xx
     200 -> a well-formed body (choices, usage) or SSE stream (`data:` lines, `data: [DONE]` last)
     X-Request-Id -> echoed when it is a well-formed id, else replaced by the server's own
@@ -64,6 +65,12 @@ class Case:
     expect: int  # OK, ANY or BAD
     key_ok: bool | None  # None: two Authorization headers, either answer is right
     headers: list[tuple[str, str | bytes]]
+
+    @property
+    def json_body(self) -> bool:
+        """Sent as JSON: a Content-Type of application/json (else the answer is 415)."""
+        kinds = [v for k, v in self.headers if k.lower() == "content-type"]
+        return bool(kinds) and isinstance(kinds[0], str) and kinds[0].split(";")[0] == JSON
 
 
 # -- values ------------------------------------------------------------------------------------
@@ -325,9 +332,12 @@ _request_ids = st.one_of(
     st.sampled_from([b"id-\xff\xfe", b"caf\xe9", "café".encode(), "\U0001F600".encode()]),
     _header_bytes,
 )
-_content_types = st.sampled_from(["application/json", "application/json; charset=utf-8", "text/plain",
-                                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=z",
-                                  "", b"application/\xffjson"])
+JSON = "application/json"
+_json_types = st.sampled_from([JSON, "application/json; charset=utf-8"])
+# what a browser posts cross-origin without a CORS preflight, and other non-JSON types (None:
+# no Content-Type header at all)
+_other_types = st.sampled_from([None, "text/plain", "application/x-www-form-urlencoded",
+                                "multipart/form-data; boundary=z", "", b"application/\xffjson"])
 
 
 @st.composite
@@ -348,8 +358,9 @@ def _headers(draw) -> tuple[bool | None, list[tuple[str, str | bytes]]]:
         key_ok = None
     for _ in range(draw(st.integers(0, 2))):  # 2: a duplicated X-Request-Id header
         headers.append(("X-Request-Id", draw(_request_ids)))
-    if draw(st.booleans()):
-        headers.append(("Content-Type", draw(_content_types)))
+    kind = draw(_other_types) if draw(_one_in(8)) else draw(_json_types)
+    if kind is not None:
+        headers.append(("Content-Type", kind))
     if draw(_one_in(10)):
         headers.append(("Expect", "100-continue"))
     return key_ok, headers
@@ -425,7 +436,9 @@ def _check_error(case: Case, status: int, headers: http.client.HTTPMessage, data
     assert isinstance(err["type"], str) and err["type"], err
     assert err["param"] is None or isinstance(err["param"], str), err
     assert err["code"] is None or isinstance(err["code"], str), err
-    if status == 401:
+    if not case.json_body:
+        assert status == 415 and err["code"] == "unsupported_media_type", (status, err)
+    elif status == 401:
         assert case.key_ok is not True and err["code"] == "invalid_api_key", err
     else:
         assert case.key_ok is not False, f"bad key answered {status}: {err}"
@@ -506,7 +519,7 @@ def _check(port: int, case: Case) -> int:
     if status != 200:
         _check_error(case, status, headers, data)
         return status
-    assert case.key_ok is not False and case.expect != BAD, data[:300]
+    assert case.key_ok is not False and case.expect != BAD and case.json_body, data[:300]
     if case.body.get("stream") is True:
         assert headers.get("Content-Type", "").startswith("text/event-stream")
         _check_sse(case, data)
@@ -556,16 +569,18 @@ def test_openapi_describes_both_request_schemas(srv):
 
 def test_raw_non_utf8_header_bytes_reach_the_server(srv, monkeypatch):
     seen = []
-    ingress = srv.server.ingress
-    auth = ingress._auth
+    from tinyserve.api import completions
 
-    def spy(request):
+    auth = completions.authenticate
+
+    def spy(request, tenants):
         seen.append((request.headers.get("Authorization"), request.headers.get("X-Request-Id")))
-        return auth(request)
+        return auth(request, tenants)
 
-    monkeypatch.setattr(ingress, "_auth", spy)
+    monkeypatch.setattr(completions, "authenticate", spy)
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
-    headers = [("Authorization", b"Bearer sekr\xe9t\xff"), ("X-Request-Id", b"id-\xfe")]
+    headers = [("Authorization", b"Bearer sekr\xe9t\xff"), ("X-Request-Id", b"id-\xfe"),
+               ("Content-Type", JSON)]
     case = Case(COMPLETIONS, None, body, OK, False, headers)
     assert _check(srv.server.port, case) == 401
     # aiohttp keeps undecodable bytes as surrogate escapes: the very bytes sent arrived
@@ -590,7 +605,7 @@ def test_fuzz_generate_endpoints(srv, caplog):
     print(f"\nfuzz: {statuses.total()} requests in {time.monotonic() - t0:.1f} s, by status: "
           f"{dict(sorted(by_status.items()))}")
     assert statuses.total() >= 1000, statuses
-    assert {status for _, status in statuses} >= {200, 400, 401, 404, 413}, statuses
+    assert {status for _, status in statuses} >= {200, 400, 401, 404, 413, 415}, statuses
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
     # The server is unharmed: a plain request is served, nothing is left behind.
@@ -598,7 +613,7 @@ def test_fuzz_generate_endpoints(srv, caplog):
                        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                "max_tokens": 4})]:
         case = Case(path, body, json.dumps(body).encode(), OK, True,
-                    [("Authorization", f"Bearer {KEY}")])
+                    [("Authorization", f"Bearer {KEY}"), ("Content-Type", JSON)])
         assert _check(port, case) == 200
     assert srv.wait_idle() == {"running": 0, "waiting": 0, "kv_usage": 0.0, "requests": 0, "live": 0}
 
@@ -607,7 +622,7 @@ def test_fuzz_generate_endpoints(srv, caplog):
 def test_a_null_token_id_is_refused_at_the_edge(srv, prompt):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True}
     case = Case(COMPLETIONS, body, json.dumps(body).encode(), BAD, True,
-                [("Authorization", f"Bearer {KEY}")])
+                [("Authorization", f"Bearer {KEY}"), ("Content-Type", JSON)])
     status, headers, data = _send(srv.server.port, case)
     assert status == 400, data[:300]
     _check_error(case, status, headers, data)
@@ -630,7 +645,7 @@ def _raw_exchange(port: int, request: bytes) -> tuple[int, bytes, bytes]:
 def _request(*headers: bytes, body: bytes | None = None, chunked: bytes | None = None) -> bytes:
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode() if body is None else body
     lines = [b"POST /v1/completions HTTP/1.1", b"Host: x", b"Connection: close",
-             b"Authorization: Bearer " + KEY.encode(), *headers]
+             b"Authorization: Bearer " + KEY.encode(), b"Content-Type: " + JSON.encode(), *headers]
     if chunked is None:
         lines.append(b"Content-Length: %d" % len(body))
     else:

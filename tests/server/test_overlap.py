@@ -37,8 +37,8 @@ def _workload() -> list[dict]:
 
 def _text_piece(prompt: list[int]) -> str:
     """The text of the fake model's 4th token for this prompt (a stop string it will hit)."""
-    from tinyserve.engine.tokenizer import Tokenizer
     from tinyserve.models import STORIES260K
+    from tinyserve.text.tokenizer import Tokenizer
 
     toks, last = list(prompt), prompt[-1]
     for _ in range(4):
@@ -150,9 +150,9 @@ def test_the_real_model_answers_the_same_with_overlap_on_and_off(stories_dir):
     """stories260k through the whole server (Triton kernels on the interpreter): greedy
     answers, stop strings included, are identical with steps planned ahead and without."""
     from tinyserve.config import EngineConfig
-    from tinyserve.engine.engine import Engine
+    from tinyserve.engine.device_engine import DeviceEngine
 
-    engine = Engine(EngineConfig(model=str(stories_dir), num_kv_blocks=64, max_model_len=256))
+    engine = DeviceEngine(EngineConfig(model=str(stories_dir), num_kv_blocks=64, max_model_len=256))
     bodies = [completion(p, max_tokens=12 + 3 * i, **({"stop": ["."]} if i % 2 else {}))
               for i, p in enumerate(["Once upon a time", "The cat", "Lily and Ben went",
                                      "One day, a big"])]

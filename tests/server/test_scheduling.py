@@ -32,7 +32,7 @@ def test_sixteen_concurrent_requests_equal_their_solo_runs(server):
 
 
 def test_shared_prefix_hits_the_cache_and_prefills_only_the_tail(server, stories_dir):
-    from tinyserve.engine.tokenizer import Tokenizer
+    from tinyserve.text.tokenizer import Tokenizer
 
     ids = Tokenizer(stories_dir).encode(STORY)
     assert len(ids) >= 70

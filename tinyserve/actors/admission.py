@@ -8,10 +8,11 @@ concurrency limit or out of tokens for the minute -> 429 with the Retry-After it
 (``quotas.py``); the model already holds its capacity (max_num_seqs + max_waiting, or the SLO
 controller's smaller limit) -> a degradable tenant spills over to the fallback if that has
 room, anyone else gets 429 with Retry-After (counted: sustained refusals climb the model's
-degradation ladder); else the Submit goes on to that model's
-batcher, and only then is the request told Accepted, naming the model (so an Abort that
-ingress sends after Accepted can never overtake its Submit). Every rejection is counted by
-tenant and reason, every reroute by model, fallback, tenant and reason.
+degradation ladder); else the request's handle takes a slot on that model's lane
+(``lanes.py``), the Submit goes on to the model's batcher, and only then is the request told
+Accepted, naming the model (so an Abort can never overtake its Submit). A Submit whose handle
+was already released (its client left while it waited here) is dropped. Every rejection is
+counted by tenant and reason, every reroute by model, fallback, tenant and reason.
 
 Inbox capacity: the models' capacities together. Ingress puts without waiting; a full inbox
 means at least that many requests are already ahead of this one, so ingress answers 429 +
@@ -23,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
+from tinyserve.actors.lanes import Lane
 from tinyserve.actors.quotas import TenantQuotas
 from tinyserve.config import TenantConfig
-from tinyserve.core.slo import SloController
 from tinyserve.messages import Accepted, AdmissionRejected, Failed, Rerouted, Submit
 
 log = logging.getLogger(__name__)
@@ -41,49 +42,6 @@ DEGRADED_MAX_TOKENS = 128  # level 2: degradable tenants' completions are capped
 def too_many(capacity: int) -> Failed:
     return Failed(429, f"too many requests: {capacity} are already queued or running",
                   retry_after=RETRY_AFTER_S)
-
-
-@dataclass(eq=False)
-class Lane:
-    """One served model as admission and ingress see it. Fields with one writer each:
-    ``admitted``/``released`` admission, ``aborts_sent`` ingress, ``down`` the server (on the
-    supervisor's word); the rest is fixed at startup."""
-
-    name: str
-    batcher_inbox: asyncio.Queue
-    capacity: int  # max_num_seqs + max_waiting
-    max_model_len: int
-    aborts_received: Callable[[], int] = lambda: 0  # the batcher's count
-    slo: SloController | None = None  # the batcher's; admission reads its limit and level
-    fallback: str | None = None  # --fallback: serves degradable traffic while this one cannot
-    down: str | None = None  # why its steps fail; None while it serves
-    admitted: int = 0
-    released: int = 0
-    refused: int = 0  # turned away for capacity (the SLO controller's overload signal)
-    aborts_sent: int = 0
-
-    def __post_init__(self) -> None:
-        if self.slo is None:
-            self.slo = SloController(None, None, self.capacity)
-
-    @property
-    def limit(self) -> int:
-        """Requests it may hold now: its capacity, or the SLO controller's smaller limit."""
-        return min(self.capacity, self.slo.limit)
-
-    @property
-    def full(self) -> bool:
-        return self.in_system() >= self.limit
-
-    def in_system(self) -> int:
-        """Requests holding a slot, from acceptance until their handler ends (a slow reader
-        keeps its slot), plus Aborts still on their way to the batcher.
-
-        Each slot puts at most one Submit and one Abort in the batcher's inbox, and an Abort
-        keeps counting until the batcher takes it, so that inbox never holds more than about
-        2 * capacity messages (its size: see the batcher).
-        """
-        return self.admitted - self.released + self.aborts_sent - self.aborts_received()
 
 
 class Admission:
@@ -103,20 +61,34 @@ class Admission:
         self.inbox: asyncio.Queue[Submit] = asyncio.Queue(maxsize=self.capacity)
         self.ready = False  # set once the models are loaded and warmed up
         self.draining = False  # set on SIGTERM
-        # id -> (its lane, tenant charged or None, max_tokens charged)
-        self._held: dict[int, tuple[Lane, str | None, int]] = {}
 
-    def release(self, request_id: int, generated: int = 0) -> None:
-        """An accepted request is over for good: its HTTP handler has ended (so its reply
-        queue is gone too); the completion tokens it was charged for and did not generate go
-        back to its tenant's bucket. Called by ingress (and by the server for its warm-up)."""
-        held = self._held.pop(request_id, None)
-        if held is None:
-            return
-        lane, tenant, max_tokens = held
-        lane.released += 1
-        if tenant is not None:
-            self.quotas.release(tenant, max(0, max_tokens - generated))
+    def down_models(self) -> set[str]:
+        return {name for name, lane in self.lanes.items() if lane.down}
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """/ready's report from one look at the state: (serving, the body). Serving means
+        ready or degraded (with the worst level and why, and each model's own)."""
+        fault = self._unhealthy()
+        if not self.ready:
+            return False, {"status": "loading"}
+        if fault:
+            return False, {"status": "unhealthy", "reason": fault}
+        if self.draining:
+            return False, {"status": "draining"}
+        models, reasons, level = {}, [], 0
+        for lane in self.lanes.values():
+            if lane.down:
+                status, why = "down", lane.down
+            else:
+                status, why = ("degraded" if lane.slo.level else "ready"), lane.slo.reason
+            models[lane.name] = {"status": status, "level": lane.slo.level, "reason": why}
+            if status != "ready":
+                level = max(level, lane.slo.level)
+                reasons.append(f"{lane.name}: {status}, {why}" if len(self.lanes) > 1 else why)
+        return True, {"status": "degraded" if reasons else "ready", "level": level,
+                      "reason": "; ".join(reasons),
+                      "down": [n for n, m in models.items() if m["status"] == "down"],
+                      "models": models}
 
     async def run(self) -> None:
         while True:
@@ -128,6 +100,8 @@ class Admission:
                 msg.reply_to.put_nowait(Failed(500, "admission failed"))
 
     def _admit(self, msg: Submit) -> None:
+        if msg.handle.released:
+            return  # its client left before we got to it: nobody would read an answer
         fault = self._unhealthy()
         if fault or self.draining or not (self.ready or msg.internal):  # warm-up: before ready
             why = (f"the server is unhealthy: {fault}" if fault else
@@ -138,8 +112,8 @@ class Admission:
         refusal, why = None, ""
         if not msg.internal:
             lane, msg, why, refusal = self._degrade(lane, msg)
+        cost = len(msg.prompt_token_ids) + msg.params.max_tokens
         if refusal is None and not msg.internal:
-            cost = len(msg.prompt_token_ids) + msg.params.max_tokens
             refusal = self.quotas.refuse(msg.tenant, cost)
         if refusal is None and lane.full:
             spill = None if msg.internal or lane is not routed else self._spill(lane, msg)
@@ -153,20 +127,11 @@ class Admission:
             self._emit(AdmissionRejected(msg.tenant, reason, lane.name))
             msg.reply_to.put_nowait(failed)
             return
-        lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see in_system)
-        lane.admitted += 1
-        tenant = None if msg.internal else msg.tenant
-        if tenant is not None:
-            self.quotas.admit(tenant, len(msg.prompt_token_ids) + msg.params.max_tokens)
+        msg.handle.admit(lane, msg, None if msg.internal else self.quotas)
+        lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see lanes.py)
         if lane is not routed:
             self._emit(Rerouted(routed.name, lane.name, msg.tenant, why))
-        self._held[msg.request_id] = (lane, tenant, msg.params.max_tokens)
         msg.reply_to.put_nowait(Accepted(lane.name))
-
-    def lane_of(self, request_id: int) -> Lane | None:
-        """The model an accepted request is on (until it is released)."""
-        held = self._held.get(request_id)
-        return None if held is None else held[0]
 
     def _spill(self, lane: Lane, msg: Submit) -> tuple[Lane, Submit] | None:
         """A degradable request its model has no room for goes to the fallback, if that has

@@ -15,11 +15,11 @@ A message that fails is logged and the actor goes on. An exception while *schedu
 caught: the scheduler's state can no longer be trusted, so the task dies and the supervisor
 marks the server unhealthy and answers everyone waiting.
 
-Inbox capacity: 2 * (admission capacity) + 8. Admission counts a request from acceptance until
-its handler ends, plus its Abort until taken from here (see ``Lane.in_system``): at most
-about 2 * capacity Submits and Aborts, plus two StepResults, a PlanAhead or two and one
-AbortAll, so ``put_nowait`` from ingress (aborts), admission and the executor never finds it
-full.
+Inbox capacity: 2 * (admission capacity) + 8. A request holds a slot on its model's lane from
+admission until its handler ends and any Abort it sent has been taken from here (see
+``lanes.py``), and each slot puts at most one Submit and one Abort here: at most 2 * capacity
+of them, plus two StepResults, a PlanAhead or two and one AbortAll, so ``put_nowait`` from
+the handles (aborts), admission and the executor never finds it full.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ import logging
 import time
 
 from tinyserve.actors.metrics import Metrics
-from tinyserve.core.engine import EngineCore
+from tinyserve.core.engine_core import EngineCore
 from tinyserve.core.request import Request
 from tinyserve.core.slo import SloController
 from tinyserve.messages import (
     Abort,
     AbortAll,
     Failed,
+    FieldError,
     Output,
     PlanAhead,
     RequestFinished,
@@ -75,7 +76,6 @@ class Batcher:
         self._metrics = metrics
         self._batch_timeout = batch_timeout_ms / 1000.0
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=2 * capacity + 8)
-        self.aborts_received = 0  # read by admission: Aborts still queued count against capacity
         # Steps handed to the executor, oldest first: with overlap, the next step is planned
         # while one runs, so the executor goes from one to the next without waiting for us.
         self._in_flight: collections.deque[StepPlan] = collections.deque()
@@ -149,7 +149,8 @@ class Batcher:
                 case Submit():
                     self._on_submit(msg)
                 case Abort():
-                    self.aborts_received += 1
+                    if msg.handle is not None:
+                        msg.handle.abort_taken()
                     self._on_abort(msg.request_id)
                 case AbortAll():
                     for waiting in self._after.values():
@@ -218,9 +219,10 @@ class Batcher:
                                   msg.cache_salt, msg.priority, msg.tenant, reply_to=msg.reply_to,
                                   arrival_time=msg.arrival_time, internal=msg.internal,
                                   n=msg.n)
-        except ValueError as e:  # messages start with the field's name
-            field = str(e).split(" ", 1)[0].rstrip(":")
-            msg.reply_to.put_nowait(Failed(400, str(e), param=field))
+        except FieldError as e:
+            msg.reply_to.put_nowait(Failed(400, str(e), param=e.field))
+        except ValueError as e:  # (a duplicate id: a bug, but the request is still answered)
+            msg.reply_to.put_nowait(Failed(400, str(e)))
 
     def _on_abort(self, request_id: int) -> None:
         req = self.core.requests.get(request_id)

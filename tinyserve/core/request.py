@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinyserve.core.sequence import Sequence
-from tinyserve.engine.tokenizer import IncrementalDetokenizer
+from tinyserve.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True, eq=False)

@@ -36,7 +36,7 @@ import msgspec
 
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.sequence import SeqStatus, Sequence, mix_seed
-from tinyserve.messages import PLACEHOLDER, ScheduledSeq, StepPlan, StepResult
+from tinyserve.messages import PLACEHOLDER, FieldError, ScheduledSeq, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,10 @@ class Scheduler:
         if seq.seq_id in self.seqs:
             raise ValueError(f"duplicate sequence id {seq.seq_id}")
         if not seq.prompt_token_ids:
-            raise ValueError("prompt: must contain at least one token")
+            raise FieldError("prompt", "prompt: must contain at least one token")
         if seq.num_tokens >= self.cfg.max_model_len:
-            raise ValueError(f"prompt: {seq.num_tokens} tokens leave no room to generate within "
-                             f"max_model_len {self.cfg.max_model_len}")
+            raise FieldError("prompt", f"prompt: {seq.num_tokens} tokens leave no room to "
+                             f"generate within max_model_len {self.cfg.max_model_len}")
         self.seqs[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=_order)
         if not self._active[seq.tenant]:  # (re)joining: no credit for the time it was idle

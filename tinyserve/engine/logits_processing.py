@@ -29,7 +29,7 @@ from tinyserve.kernels import apply_penalties, target_logprobs
 from tinyserve.messages import PromptLogprobs, ScheduledSeq
 
 if TYPE_CHECKING:
-    from tinyserve.grammar import GrammarCompiler, Matcher
+    from tinyserve.text.grammar import GrammarCompiler, Matcher
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class LogitsProcessors:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
-        self.grammars: GrammarCompiler | None = None  # structured output, set by the Engine
+        self.grammars: GrammarCompiler | None = None  # structured output, set by the DeviceEngine
         # seq id -> its grammar matcher and the output tokens it has accepted
         self._matchers: dict[int, tuple[Matcher | None, list[int]]] = {}
         self._histories: dict[int, History] = {}  # penalized sequences' counts

@@ -78,6 +78,14 @@ class _Statics:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._pending = False
 
+    def pad_rows(self, start: int, end: int, pad_row: int) -> None:
+        """Rows [start, end) as padding: token 0 at position 0, no KV write (slot -1), one key
+        in the block table's all-zero padding row. They compute garbage nobody reads."""
+        self.h_i64[0:2, start:end] = 0
+        self.h_i64[2, start:end] = -1
+        self.h_i64[3, start:end] = 1
+        self.h_i64[4, start:end] = pad_row
+
     def writable(self) -> None:
         """Wait until the host buffer may be written (call before staging a step)."""
         if self._pending:
@@ -117,7 +125,7 @@ class ModelRunner:
         # (bucket, split class) -> (recording, its logits buffer, its CUDA graph or None)
         self._recorded: dict[tuple[int, int], tuple[Recording, torch.Tensor, object]] = {}
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
-        # penalties, grammar masks, prompt logprobs (its ``grammars`` set by the Engine)
+        # penalties, grammar masks, prompt logprobs (its ``grammars`` set by the DeviceEngine)
         self.logits = LogitsProcessors(cfg.vocab_size, cfg.eos_token_ids, self.device)
 
     # -- one step ---------------------------------------------------------------------------
@@ -140,7 +148,7 @@ class ModelRunner:
         if bucketed:
             logits, sampled = self._decode_bucket(seqs, rows, updates)
         else:
-            self._push_updates(updates, statics=False)
+            self.push_table_updates(updates, statics=False)
             if not seqs:
                 return StepResult(step_id=plan.step_id, outputs=())
             batch, sampled = self.pack(seqs, rows)
@@ -153,7 +161,9 @@ class ModelRunner:
         return StepResult(step_id=plan.step_id, outputs=outputs,
                           seconds=time.perf_counter() - t0, prompt_logprobs=prompt_lps)
 
-    def _push_updates(self, updates: list, statics: bool) -> None:
+    def push_table_updates(self, updates: list, statics: bool) -> None:
+        """Block-table updates (row, index, block) to the device table; ``statics``: the
+        staged decode inputs go in the same copy."""
         st = self.statics
         n = len(updates)
         if n > st.max_updates:  # a burst (many long prompts resumed at once): its own copy
@@ -186,17 +196,13 @@ class ModelRunner:
         i64[2, :n] = self.tables.host[row, pos // bs] * bs + pos % bs
         i64[3, :n] = pos + 1
         i64[4, :n] = row
-        # padding rows: token 0 at position 0, no KV write, one key in the zero padding row
-        i64[0:2, n:B] = 0
-        i64[2, n:B] = -1
-        i64[3, n:B] = 1
-        i64[4, n:B] = self.tables.pad_row
+        st.pad_rows(n, B, self.tables.pad_row)
         self._stage_sampling(seqs)
-        self._push_updates(updates, statics=True)
+        self.push_table_updates(updates, statics=True)
         key = (B, self._split_class(int(pos.max()) + 1))
         recorded = self._recorded.get(key)
         if recorded is None:  # first use: recording it ran this very step
-            logits = self._record(*key)[1]
+            logits = self.record_bucket(*key)
         else:
             rec, logits, graph = recorded
             if graph is not None:
@@ -243,9 +249,17 @@ class ModelRunner:
             prefill_rows=none, prefill_seq_lens=none, prefill_q_start=st.lens[:1],
             prefill_max_q_len=0, logits_indices=None)
 
-    def _record(self, B: int, max_len: int) -> tuple[Recording, torch.Tensor, object]:
+    @property
+    def recorded(self) -> frozenset[tuple[int, int]]:
+        """The (bucket, split class) pairs recorded so far."""
+        return frozenset(self._recorded)
+
+    def record_bucket(self, B: int, max_len: int) -> torch.Tensor:
         """Record bucket B's forward pass for sequences up to max_len (it runs once, on
-        whatever the statics hold), and capture it as a CUDA graph on a GPU."""
+        whatever the statics hold), and capture it as a CUDA graph on a GPU; returns its
+        logits buffer."""
+        if (B, max_len) in self._recorded:
+            return self._recorded[B, max_len][1]
         rec = Recording(self.buckets[-1], self._pools)
         with recording(rec):
             logits = self.model.forward(self._bucket_batch(B, max_len), self.kv_cache)
@@ -256,19 +270,7 @@ class ModelRunner:
             with torch.cuda.graph(graph):
                 rec.replay()
         self._recorded[B, max_len] = (rec, logits, graph)
-        return self._recorded[B, max_len]
-
-    def warm_up(self, compile_all: bool | None = None) -> dict:
-        """Every decode bucket recorded (captured on a GPU), every sampling variant and eager
-        shape run before serving: see ``warmup.py``."""
-        from tinyserve.engine.warmup import warm_up
-
-        return warm_up(self, compile_all)
-
-    def eager_warm_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        from tinyserve.engine.warmup import eager_warm_shapes
-
-        return eager_warm_shapes(self)
+        return logits
 
     @property
     def scratch_bytes(self) -> int:
@@ -337,14 +339,10 @@ class ModelRunner:
         masks = self.logits.grammar_masks(seqs)
         n, st = len(seqs), self.statics
         params = [s.params for s in seqs]
-        if n > st.cap:  # an eager step with more samples than the statics hold
-            temperature, top_k, top_p, seeds = self._sampling_tensors(seqs, params)
-        else:
-            if not staged:
-                self._stage_sampling(seqs)
-                st.push(0)
-            temperature, top_k, top_p, seeds = (st.temperature[:n], st.top_k[:n], st.top_p[:n],
-                                                st.seeds[:n])
+        if n <= st.cap and not staged:
+            self._stage_sampling(seqs)
+            st.push(0)
+        temperature, top_k, top_p, seeds = self.sampling_tensors(n, seqs)
         num_top = max((p.logprobs or 0) for p in params)
         tokens, logprobs, top_ids, top_lps = sample(
             logits, temperature, top_k, top_p, seeds, num_top,
@@ -369,9 +367,18 @@ class ModelRunner:
             out.append(SeqOutput(s.seq_id, tokens_l[i], lps_l[i], top))
         return tuple(out)
 
-    def _sampling_tensors(self, seqs: list[ScheduledSeq], params: list[SamplingParams]):
+    def sampling_tensors(self, n: int, seqs: list[ScheduledSeq] | None = None
+                         ) -> tuple[torch.Tensor, ...]:
+        """(temperature, top_k, top_p, seeds) for n rows: the statics' (staged) when n fits
+        them, else tensors of their own (an eager step with more samples than the statics
+        hold) from ``seqs`` (None: neutral values, for the warm-up)."""
+        st = self.statics
+        if n <= st.cap:
+            return st.temperature[:n], st.top_k[:n], st.top_p[:n], st.seeds[:n]
+        params = [s.params for s in seqs] if seqs is not None else [SamplingParams()] * n
+        seeds = [s.seed for s in seqs] if seqs is not None else [0] * n
         dev = self.device
         return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
                 torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int32, device=dev),
                 torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-                torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev))
+                torch.tensor(seeds, dtype=torch.int64, device=dev))

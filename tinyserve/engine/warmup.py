@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from tinyserve.engine.model import ForwardBatch
-from tinyserve.kernels import sample, target_logprobs, update_block_table
+from tinyserve.engine.runner import ModelRunner
+from tinyserve.kernels import sample, target_logprobs
 from tinyserve.kernels.utils import INTERPRET
 from tinyserve.messages import SamplingParams, ScheduledSeq
-
-if TYPE_CHECKING:
-    from tinyserve.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +52,18 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
                 "eager_shapes": 0, "scratch_mib": 0.0, "seconds": 0.0,
                 "capacity": runner.statics.cap}
     st = runner.statics
-    _warm_table_updates(runner)
+    for n in (1, 16, 17):  # the block-table update: each size its own specialization
+        if n <= st.max_updates:  # (block 0 into the padding row, which holds zeros anyway)
+            runner.push_table_updates([(runner.tables.pad_row, 0, 0)] * n, statics=False)
     shapes = eager_warm_shapes(runner)
     for dec_lens, pre_lens in shapes:
         _warm_eager(runner, dec_lens, pre_lens)
     cap = st.cap
-    st.h_i64[0:2] = 0
-    st.h_i64[2] = -1
-    st.h_i64[3] = 1
-    st.h_i64[4] = runner.tables.pad_row
-    st.h_i64[5] = 0
-    st.h_topk[:] = 5
-    st.h_f32[0] = 0.7
-    st.h_f32[1] = 0.9
+    st.pad_rows(0, cap, runner.tables.pad_row)  # every row padding: the recordings run on it
     st.push(0)
     for B in runner.buckets:
         for max_len in runner.split_classes():
-            if (B, max_len) not in runner._recorded:
-                runner._record(B, max_len)
+            runner.record_bucket(B, max_len)
     sizes = runner.buckets or tuple(sorted({min(n, runner.max_num_seqs) for n in (1, 2, 16)}))
     launches = 0
     for B in sizes:
@@ -83,7 +74,7 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
             # as is, after penalties (a processed copy), under a grammar mask, both
             for processed, allowed in ((None, None), (logits, None), (None, words),
                                        (logits, words)):
-                sample(logits, *_sampling_tensors_for(runner, B), n_top, all_greedy=greedy,
+                sample(logits, *runner.sampling_tensors(B), n_top, all_greedy=greedy,
                        any_top_k=top_k, any_top_p=top_p, processed=processed, allowed=allowed)
                 launches += 1
         targets = torch.zeros(B, dtype=torch.int64, device=runner.device)
@@ -94,7 +85,7 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),
-            "recordings": len(runner._recorded), "cuda_graphs": runner.use_graphs,
+            "recordings": len(runner.recorded), "cuda_graphs": runner.use_graphs,
             "sampling_variants": launches, "eager_shapes": len(shapes),
             "scratch_mib": round(runner.scratch_bytes / 2**20, 1),
             "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
@@ -147,26 +138,4 @@ def _warm_eager(runner: ModelRunner, dec_lens: tuple[int, ...], pre_lens: tuple[
         logits_indices=ints(list(range(len(dec_lens))) + [len(dec_lens) + q - 1
                                                            for q in q_start[1:]], torch.int64))
     logits = runner.model.forward(batch, runner.kv_cache)
-    sample(logits, *_sampling_tensors_for(runner, logits.shape[0]), 0, all_greedy=True)
-
-
-def _sampling_tensors_for(runner: ModelRunner, n: int) -> tuple[torch.Tensor, ...]:
-    st = runner.statics
-    if n <= st.cap:
-        return st.temperature[:n], st.top_k[:n], st.top_p[:n], st.seeds[:n]
-    dev = runner.device
-    return (torch.ones(n, dtype=torch.float32, device=dev),
-            torch.zeros(n, dtype=torch.int32, device=dev),
-            torch.ones(n, dtype=torch.float32, device=dev),
-            torch.zeros(n, dtype=torch.int64, device=dev))
-
-
-def _warm_table_updates(runner: ModelRunner) -> None:
-    """The block-table update for 1, 16 and 17 new blocks (each its own specialization);
-    they write block 0 into the padding row, which holds zeros anyway."""
-    st = runner.statics
-    for n in (1, 16, 17):
-        if n <= st.max_updates:
-            st.h_upd[:n] = (runner.tables.pad_row, 0, 0)
-            st.push(n, statics=False)
-            update_block_table(runner.table_dev, st.upd[:n])
+    sample(logits, *runner.sampling_tensors(logits.shape[0]), 0, all_greedy=True)

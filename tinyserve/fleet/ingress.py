@@ -18,8 +18,10 @@ from collections.abc import AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from tinyserve.fleet.messages import FleetRequest, ReplicaDown, relay_headers, routing_text
-from tinyserve.protocol import ApiError
+from tinyserve.api.auth import find_tenant
+from tinyserve.api.errors import ApiError
+from tinyserve.config import TenantConfig
+from tinyserve.fleet.relay import FleetRequest, ReplicaDown, relay_headers, routing_text
 
 log = logging.getLogger("ray.serve")
 
@@ -35,10 +37,12 @@ class FleetIngress:
     """The Serve deployment class (decorated in :mod:`tinyserve.fleet.app`)."""
 
     def __init__(self, replicas, max_body_bytes: int = 4 * 2**20,
-                 route_timeout_s: float = 60.0) -> None:
+                 route_timeout_s: float = 60.0,
+                 tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)) -> None:
         self.replicas = replicas.options(stream=True)
         self.max_body_bytes = max_body_bytes
         self.route_timeout_s = route_timeout_s
+        self.tenants = tenants  # the replicas' keys: only a known caller's prompt steers routing
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/health":  # this ingress is up; /ready asks a replica
@@ -50,8 +54,11 @@ class FleetIngress:
         except ValueError as e:
             return _error(413, str(e))
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        # The replica checks the key again and answers 401 itself; here an unknown caller's
+        # body is simply not read, so it cannot steer which replica's cache others land on.
+        known = find_tenant(self.tenants, request.headers.get("authorization", "")) is not None
         req = FleetRequest(request.method, path, relay_headers(request.headers.items()), body,
-                           routing_text(body) if body else "")
+                           routing_text(body) if body and known else "")
         return await self._answer(req)
 
     async def _body(self, request: Request) -> bytes:

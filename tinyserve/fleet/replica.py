@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from tinyserve.fleet.messages import FleetRequest, ReplicaDown, check_server_args, relay_headers
+from tinyserve.fleet.relay import FleetRequest, ReplicaDown, relay_headers
 
 log = logging.getLogger("ray.serve")
 
@@ -72,6 +72,15 @@ def has_output(event: bytes) -> bool:
             return True
     return False
 
+
+
+def check_server_args(args: list[str]) -> None:
+    """ValueError if server args set what each replica chooses itself: its host and port."""
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag in ("--host", "--port"):
+            raise ValueError(f"server args may not set {flag}: each replica runs its server on "
+                             "127.0.0.1 on a free port")
 
 class _Holdback:
     """Buffers a stream's bytes until an event with output is complete."""

@@ -27,8 +27,8 @@ from ray.serve._private.replica_result import ReplicaResult
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 
-from tinyserve.fleet.messages import FleetRequest
 from tinyserve.fleet.policy import LoadGuard, ReplicaLoad, rank
+from tinyserve.fleet.relay import FleetRequest
 
 log = logging.getLogger("ray.serve")
 

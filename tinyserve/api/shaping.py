@@ -1,8 +1,9 @@
 """OpenAI response shaping: a request's Outputs -> chat / completion bodies and SSE chunks.
 
-No HTTP here: ingress moves bytes, a Shaper decides what they say. One shaper per request,
-for either API, with the same three calls: ``opening()`` (chunks sent before any output),
-``chunks(out)`` (what one Output becomes when streaming) and ``body(outs)`` (the whole answer).
+No HTTP here: the generate path and ``sse.py`` move bytes, a Shaper decides what they say.
+One shaper per request, for either API, with the same three calls: ``opening()`` (chunks sent
+before any output), ``chunks(out, i)`` (what choice i's Output becomes when streaming) and
+``body_many(per_choice)`` (the whole answer).
 """
 
 from __future__ import annotations
@@ -12,18 +13,15 @@ from collections.abc import Sequence
 
 import msgspec
 
-from tinyserve.engine.tokenizer import Tokenizer
-from tinyserve.messages import Output, TokenInfo
-from tinyserve.protocol import (
+from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
+from tinyserve.api.response_types import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     Delta,
     FunctionCall,
@@ -39,8 +37,15 @@ from tinyserve.protocol import (
     new_id,
     now,
 )
-from tinyserve.tool_parsers import ToolCallDelta
-from tinyserve.tools import ToolOutput, ToolPlan
+from tinyserve.api.tool_parsers import ToolCallDelta
+from tinyserve.api.tools import ToolOutput, ToolPlan
+from tinyserve.messages import Output, TokenInfo
+from tinyserve.text.tokenizer import Tokenizer
+
+
+def logprob_entries(outs: Sequence[Output]) -> int:
+    """Logprob entries these Outputs carry: the cost of shaping them into JSON."""
+    return sum(len(o.tokens) + len(o.prompt_logprobs or ()) for o in outs)
 
 
 def usage(out: Output) -> Usage:
@@ -82,14 +87,35 @@ class Shaper(abc.ABC):
     def opening(self) -> list[msgspec.Struct]:
         return []
 
-    @abc.abstractmethod
-    def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]: ...
+    def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
+        """What choice ``index``'s Output becomes in the stream; after every choice's last
+        one, the usage chunk (if the client asked for it)."""
+        got = self._choice_chunks(out, index)
+        if (use := self._final(out, index)) is not None:
+            got.append(self._usage_chunk(use))
+        return got
 
-    @abc.abstractmethod
-    def body_many(self, per_choice: Sequence[Sequence[Output]]) -> msgspec.Struct: ...
+    def body_many(self, per_choice: Sequence[Sequence[Output]]) -> msgspec.Struct:
+        """The whole answer: a choice per list of Outputs, and one usage for them all."""
+        choices = [self._choice(i, outs) for i, outs in enumerate(per_choice)]
+        return self._body(choices, total_usage([outs[-1] for outs in per_choice], self.n),
+                          per_choice)
 
     def body(self, outs: Sequence[Output]) -> msgspec.Struct:
         return self.body_many([outs])
+
+    @abc.abstractmethod
+    def _choice_chunks(self, out: Output, index: int) -> list[msgspec.Struct]: ...
+
+    @abc.abstractmethod
+    def _usage_chunk(self, use: Usage) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def _choice(self, index: int, outs: Sequence[Output]) -> msgspec.Struct: ...
+
+    @abc.abstractmethod
+    def _body(self, choices: list, use: Usage, per_choice: Sequence[Sequence[Output]]
+              ) -> msgspec.Struct: ...
 
     def _final(self, out: Output, index: int) -> Usage | None:
         """Record a choice's last Output; the usage to stream once every choice is done."""
@@ -134,7 +160,7 @@ class CompletionShaper(Shaper):
                   ) -> CompletionResponse:
         return CompletionResponse(self.id, self.model, choices, self.created, use)
 
-    def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
+    def _choice_chunks(self, out: Output, index: int) -> list[msgspec.Struct]:
         text, tokens = out.text, list(out.tokens)
         prompt_lps = msgspec.UNSET
         if not self._echoed[index] and (self.echo is not None or out.prompt_logprobs):
@@ -147,25 +173,27 @@ class CompletionShaper(Shaper):
         lp = None
         if self.want_logprobs:
             lp, self._offsets[index] = self._logprobs(tokens, self._offsets[index])
-        got = [self._response([CompletionChoice(index, text, out.finish_reason, lp, prompt_lps)])]
-        if (use := self._final(out, index)) is not None:  # after the last choice
-            got.append(self._response([], use))
-        return got
+        return [self._response([CompletionChoice(index, text, out.finish_reason, lp,
+                                                 prompt_lps)])]
 
-    def body_many(self, per_choice: Sequence[Sequence[Output]]) -> CompletionResponse:
-        choices = []
-        for i, outs in enumerate(per_choice):
-            text = "".join(o.text for o in outs)
-            tokens = [t for o in outs for t in o.tokens]
-            if self.echo is not None:
-                prompt_text, ids = self.echo[i // self.n]
-                text = prompt_text + text
-                first = next((o for o in outs if o.prompt_logprobs is not None), None)
-                tokens = (self._echo_tokens(first, ids) if first else []) + tokens
-            lp = self._logprobs(tokens, 0)[0] if self.want_logprobs else None
-            choices.append(CompletionChoice(i, text, outs[-1].finish_reason, lp,
-                                            self._prompt_logprobs(outs)))
-        return self._response(choices, total_usage([outs[-1] for outs in per_choice], self.n))
+    def _usage_chunk(self, use: Usage) -> CompletionResponse:
+        return self._response([], use)
+
+    def _choice(self, index: int, outs: Sequence[Output]) -> CompletionChoice:
+        text = "".join(o.text for o in outs)
+        tokens = [t for o in outs for t in o.tokens]
+        if self.echo is not None:
+            prompt_text, ids = self.echo[index // self.n]
+            text = prompt_text + text
+            first = next((o for o in outs if o.prompt_logprobs is not None), None)
+            tokens = (self._echo_tokens(first, ids) if first else []) + tokens
+        lp = self._logprobs(tokens, 0)[0] if self.want_logprobs else None
+        return CompletionChoice(index, text, outs[-1].finish_reason, lp,
+                                self._prompt_logprobs(outs))
+
+    def _body(self, choices: list, use: Usage, per_choice: Sequence[Sequence[Output]]
+              ) -> CompletionResponse:
+        return self._response(choices, use)
 
     @staticmethod
     def _echo_tokens(out: Output, ids: Sequence[int]) -> list[TokenInfo | int]:
@@ -216,7 +244,7 @@ class ChatShaper(Shaper):
         return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))])
                 for i in range(self.choices)]
 
-    def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
+    def _choice_chunks(self, out: Output, index: int) -> list[msgspec.Struct]:
         got = []
         lp = self._logprobs(out.tokens) if self.want_logprobs else None
         text, calls, reason = out.text, None, out.finish_reason
@@ -234,28 +262,28 @@ class ChatShaper(Shaper):
                 None, lp)]))
         if reason is not None:
             got.append(self._chunk([ChatChunkChoice(index, Delta(), reason)]))
-        if (use := self._final(out, index)) is not None:  # after the last choice
-            got.append(self._chunk([], use))
         return got
 
-    def body_many(self, per_choice: Sequence[Sequence[Output]]) -> ChatCompletionResponse:
-        choices = []
-        for i, outs in enumerate(per_choice):
-            tokens = [t for o in outs for t in o.tokens]
-            lp = self._logprobs(tokens) if self.want_logprobs else None
-            text, reason = "".join(o.text for o in outs), outs[-1].finish_reason
-            message = ResponseMessage("assistant", text)
-            if self.tools is not None:
-                content, calls = self.tools[i].whole(text)
-                if calls:
-                    message = ResponseMessage("assistant", content, [
-                        ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls])
-                    reason = self.tools[i].finish_reason(reason)
-            choices.append(ChatChoice(i, message, reason, lp))
-        return ChatCompletionResponse(
-            self.id, self.model, choices,
-            total_usage([outs[-1] for outs in per_choice], self.n), self.created,
-            prompt_logprobs=self._prompt_logprobs(per_choice[0]))
+    def _usage_chunk(self, use: Usage) -> ChatCompletionChunk:
+        return self._chunk([], use)
+
+    def _choice(self, index: int, outs: Sequence[Output]) -> ChatChoice:
+        tokens = [t for o in outs for t in o.tokens]
+        lp = self._logprobs(tokens) if self.want_logprobs else None
+        text, reason = "".join(o.text for o in outs), outs[-1].finish_reason
+        message = ResponseMessage("assistant", text)
+        if self.tools is not None:
+            content, calls = self.tools[index].whole(text)
+            if calls:
+                message = ResponseMessage("assistant", content, [
+                    ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls])
+                reason = self.tools[index].finish_reason(reason)
+        return ChatChoice(index, message, reason, lp)
+
+    def _body(self, choices: list, use: Usage, per_choice: Sequence[Sequence[Output]]
+              ) -> ChatCompletionResponse:
+        return ChatCompletionResponse(self.id, self.model, choices, use, self.created,
+                                      prompt_logprobs=self._prompt_logprobs(per_choice[0]))
 
     def _logprobs(self, tokens: Sequence[TokenInfo]) -> ChatLogprobs:
         def entry(tid: int, lp: float) -> TopLogprob:

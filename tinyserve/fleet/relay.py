@@ -1,4 +1,6 @@
-"""What the fleet's ingress, router and replicas pass each other."""
+"""What crosses from the fleet's ingress to a replica: the request to relay (with the text the
+router matches against each replica's prefixes), its end-to-end headers, and the error a
+replica that cannot answer raises."""
 
 from __future__ import annotations
 
@@ -16,15 +18,6 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 def relay_headers(items: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """End-to-end headers only, names lower-cased (HTTP names are case-insensitive)."""
     return [(k.lower(), v) for k, v in items if k.lower() not in _HOP]
-
-
-def check_server_args(args: list[str]) -> None:
-    """ValueError if server args set what each replica chooses itself: its host and port."""
-    for a in args:
-        flag = a.split("=", 1)[0]
-        if flag in ("--host", "--port"):
-            raise ValueError(f"server args may not set {flag}: each replica runs its server on "
-                             "127.0.0.1 on a free port")
 
 
 @dataclass

@@ -10,19 +10,21 @@ from typing import Any
 
 import msgspec
 
-from tinyserve.protocol import (
-    ChatCompletionChunk,
+from tinyserve.api.errors import ErrorResponse
+from tinyserve.api.request_types import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    DetokenizeResponse,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
     RouteUpdate,
     TokenizeRequest,
+)
+from tinyserve.api.response_types import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
     TokenizeResponse,
 )
 
@@ -49,7 +51,7 @@ def _generate(request: type, response: type, chunk: type, summary: str) -> dict[
                                    f"{chunk.__name__} when stream is true",
                     "content": {"application/json": {"schema": _ref(response)},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 404, 413, 429, 500, 503)}}}
+            **_errors(400, 401, 404, 413, 415, 429, 500, 503)}}}
 
 
 def _post(request: type, response: type, summary: str) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def _post(request: type, response: type, summary: str) -> dict[str, Any]:
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
         "responses": {"200": {"description": "ok", "content": {
-            "application/json": {"schema": _ref(response)}}}, **_errors(400, 401, 404, 413)}}}
+            "application/json": {"schema": _ref(response)}}}, **_errors(400, 401, 404, 413, 415)}}}
 
 
 def openapi_spec(version: str) -> dict[str, Any]:
@@ -91,7 +93,7 @@ def openapi_spec(version: str) -> dict[str, Any]:
                          "requestBody": {"required": True, "content": {
                              "application/json": {"schema": _ref(RouteUpdate)}}},
                          "responses": {"200": {"description": "the new route table"},
-                                       **_errors(400, 401, 403, 404, 413)}}},
+                                       **_errors(400, 401, 403, 404, 413, 415)}}},
             "/health": probe,
             "/ready": probe,
         },

@@ -59,7 +59,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from tinyserve.messages import GrammarSpec
 
 if TYPE_CHECKING:
-    from tinyserve.engine.tokenizer import Tokenizer
+    from tinyserve.text.tokenizer import Tokenizer
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # Appended rather than prepended: the line numbers in a grammar's errors stay the client's.
@@ -130,7 +130,9 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles specs for one tokenizer and logits width; a bounded LRU cache keyed by spec."""
+    """Compiles specs for one tokenizer and logits width, cached: one bounded LRU per scope
+    (``GrammarSpec.scope``: the tenant's cache group), so one tenant's many schemas evict
+    only its own, never another's."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
                  cache_size: int = 64) -> None:
@@ -143,24 +145,25 @@ class GrammarCompiler:
                                            eos_token=sorted(eos_token_ids))
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._cache_size = cache_size
-        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size  # per scope (scopes are the configured cache groups)
+        self._caches: dict[str, OrderedDict[GrammarSpec, CompiledGrammar]] = {}
         self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled spec (cached); ValueError, with a message for the client, if the spec
         is invalid or no output can satisfy it."""
         with self._lock:
-            hit = self._cache.get(spec)
+            cache = self._caches.setdefault(spec.scope, OrderedDict())
+            hit = cache.get(spec)
             if hit is not None:
-                self._cache.move_to_end(spec)
+                cache.move_to_end(spec)
                 return hit
         compiled = self._compile(spec)  # unlocked: a slow compile must not hold up matcher()
         with self._lock:
-            compiled = self._cache.setdefault(spec, compiled)  # a racing compile's result wins
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            compiled = cache.setdefault(spec, compiled)  # a racing compile's result wins
+            cache.move_to_end(spec)
+            while len(cache) > self._cache_size:
+                cache.popitem(last=False)
         return compiled
 
     def matcher(self, spec: GrammarSpec) -> Matcher:

@@ -1,4 +1,4 @@
-"""Engine: a loaded model, its KV cache and its tokenizer, built from an EngineConfig.
+"""DeviceEngine: a loaded model, its KV cache and its tokenizer, built from an EngineConfig.
 
 The data plane's entry point. It decides the device (and the Triton interpreter) before the
 kernels are imported, loads weights, sizes the KV cache, and owns the ModelRunner.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinyserve.config import EngineConfig
-from tinyserve.engine.backend import select_device
+from tinyserve.engine.device import select_device
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _resolve_dtype(name: str, device: str, checkpoint_dtype: str | None):
     return dtype
 
 
-class Engine:
+class DeviceEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.device = select_device(cfg.device)
@@ -62,7 +62,7 @@ class Engine:
         from tinyserve.engine.loader import load_model_config, load_weights, rope_tables
         from tinyserve.engine.model import LlamaModel
         from tinyserve.engine.runner import ModelRunner
-        from tinyserve.engine.tokenizer import Tokenizer
+        from tinyserve.text.tokenizer import Tokenizer
 
         random_weights = cfg.random_demo
         if random_weights:
@@ -116,6 +116,13 @@ class Engine:
                  "int8 + fp16 scales" if kv_int8 else self.info.dtype, spec.bytes_per_token,
                  num_blocks, cfg.block_size, num_blocks * cfg.block_size, spec.total_bytes / 2**20)
 
+    def warm_up(self) -> dict:
+        """Every kernel specialization serving needs, compiled (decode buckets recorded, and
+        captured as CUDA graphs on a GPU) before the first request: see ``warmup.py``."""
+        from tinyserve.engine.warmup import warm_up
+
+        return warm_up(self.runner)
+
     def _num_kv_blocks(self, cfg: EngineConfig, mcfg, per_block: int, itemsize: int,
                        max_model_len: int) -> int:
         import torch
@@ -148,7 +155,7 @@ class Engine:
 def _grammar_compiler(tokenizer, vocab_size: int):
     """Structured output for this model (its token trie: O(vocab), 0.7 s at 128K tokens); None
     when the tokenizer has no EOS to end a grammar with (guided requests are then refused)."""
-    from tinyserve.grammar import GrammarCompiler
+    from tinyserve.text.grammar import GrammarCompiler
 
     try:
         return GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 import msgspec
+from aiohttp import web
 
 log = logging.getLogger("tinyserve.access")
 server_log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class AccessInfo:
     finish_reason: str | None = None
     first_output: float | None = None  # time.monotonic() of the first output
     stream_error: int | None = None
+
+
+ACCESS = web.RequestKey("access", AccessInfo)  # on each logged request, set by the middleware
 
 
 class _DroppingQueueHandler(logging.handlers.QueueHandler):

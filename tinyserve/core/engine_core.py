@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.request import Request
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.sequence import Sequence
-from tinyserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from tinyserve.messages import SamplingParams, StepPlan, StepResult
+from tinyserve.messages import FieldError, SamplingParams, StepPlan, StepResult
+from tinyserve.text.detokenizer import IncrementalDetokenizer
+from tinyserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from tinyserve.config import EngineConfig
-    from tinyserve.engine.engine import EngineInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +37,9 @@ class CoreConfig:
     seed: int = 0
 
     @classmethod
-    def from_engine(cls, cfg: EngineConfig, info: EngineInfo) -> CoreConfig:
-        """The scheduler's view of a loaded engine (sizes resolved at load time)."""
+    def from_engine(cls, cfg: EngineConfig, info: Any) -> CoreConfig:
+        """The scheduler's view of a loaded engine (sizes resolved at load time): ``info`` is
+        its EngineInfo (plain values; not imported here, the device side is not ours)."""
         return cls(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
                    max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
@@ -59,20 +60,11 @@ class EngineCore:
 
     def check(self, prompt_token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
         """Everything a step relies on, checked before the request can join one: a value that
-        passed here can never make a step raise (ValueError names the field)."""
-        vocab = self.cfg.vocab_size
+        passed here can never make a step raise (FieldError names the field)."""
         if not prompt_token_ids:
-            raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in prompt_token_ids if not (type(t) is int and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if params.top_k > vocab:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or at most the vocabulary size "
-                             f"{vocab}, got {params.top_k}")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be within the vocabulary [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in the vocabulary [0, {vocab})")
+            raise FieldError("prompt", "prompt: must contain at least one token")
+        check_token_ids(prompt_token_ids, self.cfg.vocab_size, "prompt")
+        check_sampling_vocabulary(params, self.cfg.vocab_size)
 
     def add_request(self, request_id: int, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams, cache_salt: bytes = b"", priority: int = 0,
@@ -127,3 +119,29 @@ class EngineCore:
                     self.scheduler.finish(seq, "stop")
             updated.append(req)
         return updated
+
+
+# -- the vocabulary rules: here only (the API runs them too, before it answers 200) ----------
+
+def check_token_ids(ids: list | tuple, vocab_size: int, field: str) -> None:
+    """Every id an integer in [0, vocab_size)."""
+    for t in ids:
+        if not (type(t) is int and 0 <= t < vocab_size):
+            shown = repr(t)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise FieldError(field, f"{field}: token id {shown} is not an integer in the "
+                             f"vocabulary [0, {vocab_size})")
+
+
+def check_sampling_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """The sampling parameters that name tokens name tokens of this vocabulary."""
+    if params.top_k > vocab_size:
+        raise FieldError("top_k", f"top_k must be -1, 0 (disabled) or at most the vocabulary "
+                         f"size {vocab_size}, got {params.top_k}")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise FieldError("stop_token_ids", f"stop_token_ids must be token ids in the vocabulary "
+                         f"[0, {vocab_size})")
+    if any(t >= vocab_size for t, _ in params.logit_bias):
+        raise FieldError("logit_bias", f"logit_bias keys must be token ids in the vocabulary "
+                         f"[0, {vocab_size})")
+

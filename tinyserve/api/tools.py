@@ -20,15 +20,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tinyserve.messages import GrammarSpec
-from tinyserve.protocol import ApiError, message_text
-from tinyserve.tool_parsers import (
+from tinyserve.api.errors import ApiError
+from tinyserve.api.tool_parsers import (
     ToolCall,
     ToolCallDelta,
     ToolStreamParser,
     new_call_id,
     parse_tool_calls,
 )
+from tinyserve.messages import GrammarSpec
 
 MAX_TOOLS = 128  # OpenAI's limit
 
@@ -169,7 +169,7 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     assistant tool calls with their arguments parsed, a tool result's id and name."""
     out = []
     for m in messages:
-        d: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             d["name"] = m.name
         if m.tool_call_id is not None:

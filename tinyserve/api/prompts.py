@@ -1,11 +1,11 @@
-"""Request body -> (typed request, prompt token ids, sampling params), every field bounded.
+"""Prompt building for one served model: chat templates and tokenization, with every length
+bounded before the work it would cost.
 
 The cheap checks run first, so hostile input costs almost nothing: the body is decoded by
-msgspec (types, nesting depth; ``protocol.decode_request``), the model routed (ingress), and
-text longer than the context could ever hold is refused by its character count before it is
-tokenized. Only then are chat templates
-rendered and text tokenized, in a worker thread when the input is large. Every refusal is an
-``ApiError`` 4xx naming the field.
+msgspec (types, nesting depth; ``fields.decode_request``), the model routed, and text longer
+than the context could ever hold is refused by its character count before it is tokenized.
+Only then are chat templates rendered and text tokenized, in a worker thread when the input is
+large. Every refusal is an ``ApiError`` 4xx naming the field.
 """
 
 from __future__ import annotations
@@ -17,24 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tinyserve.engine.tokenizer import Tokenizer
-from tinyserve.messages import GrammarSpec, SamplingParams
-from tinyserve.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    TokenizeRequest,
-    guided_field,
-    to_sampling_params,
-)
-from tinyserve.tools import ToolPlan, template_messages
-from tinyserve.tools import plan as tools_plan
+from tinyserve.api.errors import ApiError
+from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from tinyserve.api.tools import ToolPlan, template_messages
+from tinyserve.api.tools import plan as tools_plan
+from tinyserve.core.engine_core import check_token_ids
+from tinyserve.messages import FieldError, GrammarSpec
+from tinyserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from tinyserve.grammar import GrammarCompiler
+    from tinyserve.text.grammar import GrammarCompiler
 
 OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
 CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
+MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each is a request to admission)
 
 
 class PromptParser:
@@ -56,19 +52,14 @@ class PromptParser:
         # that many per context slot cannot fit, whatever the tokenizer would make of them.
         self.max_chars = max_model_len * tokenizer.max_token_chars
 
-    async def prepare(self, req: ChatCompletionRequest | CompletionRequest
-                      ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
-        """A decoded request (``protocol.decode_request``) routed to this model -> the token
-        ids of its prompts (one, or a completions request's batch), sampling parameters
-        (max_tokens fits the longest prompt; without one, chat gets the rest of the context
-        of the longest prompt) and its tools (chat)."""
-        chat = isinstance(req, ChatCompletionRequest)
-        tools = tools_plan(req.tools, req.tool_choice, self.tool_parser,
-                           req.parallel_tool_calls) if chat else None
-        if chat:
+    async def prompts(self, req: ChatCompletionRequest | CompletionRequest,
+                      tools: ToolPlan | None = None) -> list[list[int]]:
+        """The token ids of a request's prompts: a chat's one, or each of a completions
+        batch; ``truncate_prompt_tokens`` keeps each one's last k (vLLM)."""
+        if isinstance(req, ChatCompletionRequest):
             prompts = [await self._chat_prompt(req, tools=tools and tools.tools)]
         else:
-            batch = _batch(req.prompt)
+            batch = batch_of(req.prompt)
             prompts = []
             for i, p in enumerate(batch):
                 try:
@@ -77,32 +68,28 @@ class PromptParser:
                     if len(batch) > 1:  # which one
                         e.message = f"prompt[{i}]: {e.message}"
                     raise
-        if (k := req.truncate_prompt_tokens) is not None:  # vLLM: keep the last k tokens
+        if (k := req.truncate_prompt_tokens) is not None:
             if k < 1:
                 raise ApiError(400, f"truncate_prompt_tokens must be >= 1, got {k}",
                                param="truncate_prompt_tokens")
             prompts = [p[-k:] for p in prompts]
+        return prompts
+
+    def max_tokens_for(self, req: ChatCompletionRequest | CompletionRequest,
+                       prompts: list[list[int]]) -> int:
+        """The completion budget: what the request asks for (``max_completion_tokens`` first
+        in chat), else OpenAI's defaults: 16 for completions, the rest of the context of the
+        longest prompt for chat."""
+        chat = isinstance(req, ChatCompletionRequest)
         if chat and req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
-        else:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
+        else:
             requested, param = (16 if req.max_tokens is None and not chat else req.max_tokens,
                                 "max_tokens")
         longest = max(len(p) for p in prompts)
-        max_tokens = self.max_tokens(requested, longest, param, "messages" if chat else "prompt")
-        params = to_sampling_params(req, max_tokens, self.vocab_size)
-        field = "response_format"
-        if tools is not None and tools.guided is not None:
-            if params.guided is not None:
-                raise ApiError(400, "tool_choice \"required\" or a named function is itself a "
-                               "structured output: send no other", param="tool_choice")
-            params, field = msgspec.structs.replace(params, guided=tools.guided), "tool_choice"
-        elif params.guided is not None:
-            field = guided_field(req)[0]
-        if params.guided is not None:
-            await self._check_grammar(params.guided, field)
-        return prompts, params, tools
+        return self.max_tokens(requested, longest, param, "messages" if chat else "prompt")
 
-    async def _check_grammar(self, spec: GrammarSpec, field: str) -> None:
+    async def check_grammar(self, spec: GrammarSpec, field: str) -> None:
         """Compile it now (cached for the runner): a bad or unsatisfiable one is a 400."""
         if self.grammars is None:
             raise ApiError(400, "structured output is not available for this model (its "
@@ -133,10 +120,7 @@ class PromptParser:
         if len(ids) > self.max_model_len:  # before looking at each element
             raise ApiError(400, f"tokens: {len(ids)} ids, more than the model's context of "
                            f"{self.max_model_len}", param="tokens")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ApiError(400, f"tokens: token id {bad[0]} is not in the vocabulary "
-                           f"[0, {self.vocab_size})", param="tokens")
+        self._check_ids(ids, "tokens")
         return await _off_loop(len(ids) * 4, self.tokenizer.decode, ids, False)
 
     async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
@@ -173,12 +157,14 @@ class PromptParser:
                            param="prompt")
         if len(prompt) >= self.max_model_len:  # before looking at each element
             self.max_tokens(1, len(prompt), "max_tokens", "prompt")
-        bad = [t for t in prompt if not (type(t) is int and 0 <= t < self.vocab_size)]
-        if bad:  # (a list: a null id must not pass for "nothing bad")
-            raise ApiError(400, f"prompt: token id {msgspec.json.encode(bad[0])[:40].decode()} "
-                           f"is not an integer in the vocabulary [0, {self.vocab_size})",
-                           param="prompt")
+        self._check_ids(prompt, "prompt")
         return prompt
+
+    def _check_ids(self, ids: list[Any], field: str) -> None:
+        try:
+            check_token_ids(ids, self.vocab_size, field)
+        except FieldError as e:
+            raise ApiError.from_field(e) from None
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_chars:
@@ -207,10 +193,7 @@ class PromptParser:
         return requested
 
 
-MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each is a request to admission)
-
-
-def _batch(prompt: Any) -> list[Any]:
+def batch_of(prompt: Any) -> list[Any]:
     """A completions ``prompt`` -> its prompts: a string, a list of token ids, or a list of
     either (OpenAI's batch: one choice per prompt)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

@@ -1,5 +1,6 @@
-"""Request fields that OpenAI or vLLM define and tinyserve does not honour (yet), and fields
-nobody defines.
+"""Decoding a request body: JSON -> its request struct (400 naming the field), and the
+policy for fields OpenAI or vLLM define that tinyserve does not honour (yet), or that nobody
+defines.
 
 A client that sends ``tools`` or ``presence_penalty`` and gets a plausible answer that ignored
 them has been lied to. So: a defined field tinyserve does not honour is accepted only with a
@@ -16,7 +17,8 @@ from typing import Any
 
 import msgspec
 
-from tinyserve.protocol import ApiError
+from tinyserve.api.errors import ApiError
+from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ _SEEN_LIMIT = 256  # names remembered for "logged once" (a client inventing keys
 _seen_unknown: set[str] = set()
 
 
-def check(body: bytes, struct_fields: frozenset[str], defined: dict[str, Callable]) -> None:
+def _check_fields(body: bytes, struct_fields: frozenset[str], defined: dict[str, Callable]) -> None:
     """Raises ApiError(400) for a defined field asking for something not honoured; logs
     fields nobody defines once. Reads only the top-level keys' raw values."""
     try:
@@ -148,3 +150,47 @@ def _check_stream_options(options: msgspec.Raw, stream: msgspec.Raw | None) -> N
     if given and not streaming:
         raise ApiError(400, "stream_options is only allowed when stream is true",
                        param="stream_options")
+
+
+# The requests whose fields beyond the struct's are checked against a table above.
+_TABLES: dict[type, dict[str, Callable[[Any], bool]]] = {
+    ChatCompletionRequest: CHAT, CompletionRequest: COMPLETION, TokenizeRequest: TOKENIZE}
+
+
+def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """JSON body -> request struct; raises ApiError(400) naming the bad field."""
+    try:
+        req = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, f"Invalid request: {e}", param=_bad_field(body, kind)) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"Invalid JSON body: {e}") from None
+    except RecursionError:  # msgspec's guard against deep nesting
+        raise ApiError(400, "Invalid JSON body: nested too deeply") from None
+    table = _TABLES.get(kind)
+    if table is not None:
+        _check_fields(body, frozenset(kind.__struct_fields__), table)
+        options = getattr(req, "stream_options", None)
+        if options is not None and options.continuous_usage_stats:
+            raise ApiError(400, "stream_options.continuous_usage_stats is not supported by "
+                           "this server", param="stream_options", code="unsupported_parameter")
+    return req
+
+
+def _bad_field(body: bytes, kind: type[msgspec.Struct]) -> str | None:
+    """The top-level field a body that failed to decode as ``kind`` got wrong, found as
+    msgspec finds it: the first value (in the body's order) that does not decode as its
+    field's type, else the first required field missing. Decodes field by field: only on the
+    error path."""
+    try:
+        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # not an object: no field is at fault
+    fields = {f.encode_name: f for f in msgspec.structs.fields(kind)}
+    for name, value in raw.items():
+        if name in fields:
+            try:
+                msgspec.json.decode(value, type=fields[name].type)
+            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+                return name
+    return next((n for n, f in fields.items() if f.required and n not in raw), None)

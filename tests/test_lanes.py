@@ -1,0 +1,96 @@
+"""RequestHandle: the one writer of a lane's slot count, from admission to release.
+
+A slot is held from ``admit`` until the handler released it and any Abort it sent has been
+taken by the batcher; tokens charged and not generated go back to the tenant; a handle
+released before admission saw it is dropped by admission (no slot, no answer)."""
+
+import asyncio
+import time
+
+from tinyserve.actors.admission import Admission
+from tinyserve.actors.lanes import Lane, RequestHandle
+from tinyserve.actors.quotas import TenantQuotas
+from tinyserve.config import TenantConfig
+from tinyserve.messages import Abort, Accepted, SamplingParams, Submit
+
+TENANT = TenantConfig("t", tokens_per_minute=1000)
+
+
+def _lane(capacity: int = 4) -> Lane:
+    return Lane("m", asyncio.Queue(maxsize=2 * capacity + 8), capacity, 64)
+
+
+def _handle(rid: int = 1) -> RequestHandle:
+    return RequestHandle(rid, asyncio.Queue(maxsize=8))
+
+
+def _submit(h: RequestHandle, prompt: int = 2, max_tokens: int = 4) -> Submit:
+    return Submit(h.request_id, (1,) * prompt, SamplingParams(max_tokens=max_tokens),
+                  time.monotonic(), h, tenant="t")
+
+
+def test_a_finished_request_frees_its_slot_and_refunds_what_it_did_not_use():
+    lane, quotas, h = _lane(), TenantQuotas((TENANT,)), _handle()
+    assert h.admit(lane, _submit(h, 20, 80), quotas)  # 20 prompt tokens, max_tokens 80
+    assert lane.in_system() == 1 and quotas.in_flight("t") == 1
+    h.generated, h.done = 30, True
+    h.close()  # done: no Abort
+    assert lane.batcher_inbox.empty()
+    assert lane.in_system() == 0 and quotas.in_flight("t") == 0
+    # charged 100; the 50 completion tokens it did not generate came back (not the prompt's)
+    assert 950 <= quotas._state["t"].bucket.level < 951
+    h.close()  # twice: nothing moves again
+    assert lane.in_system() == 0 and quotas.in_flight("t") == 0
+
+
+def test_an_aborted_request_holds_its_slot_until_the_batcher_takes_the_abort():
+    lane, h = _lane(), _handle(7)
+    h.admit(lane, _submit(h))
+    h.close()  # the client left mid-way: one Abort, then the handler ended
+    h.abort()  # (again: still one)
+    assert lane.batcher_inbox.qsize() == 1
+    msg = lane.batcher_inbox.get_nowait()
+    assert isinstance(msg, Abort) and msg.request_id == 7 and msg.handle is h
+    assert lane.in_system() == 1  # the Abort is still on its way: it counts
+    msg.handle.abort_taken()
+    assert lane.in_system() == 0
+
+
+def test_the_abort_taken_before_the_handler_ends_still_waits_for_release():
+    lane, h = _lane(), _handle()
+    h.admit(lane, _submit(h))
+    h.abort()
+    lane.batcher_inbox.get_nowait().handle.abort_taken()
+    assert lane.in_system() == 1  # the handler still holds it
+    h.release()
+    assert lane.in_system() == 0
+
+
+def test_abort_before_admission_sends_nothing_and_admission_drops_the_request():
+    lane = _lane()
+    admission = Admission([lane], tenants=(TENANT,))
+    admission.ready = True
+    h = _handle(3)
+    msg = _submit(h)
+    h.close()  # the client left while the Submit waited for admission
+    assert lane.batcher_inbox.empty()
+    admission._admit(msg)
+    assert lane.batcher_inbox.empty() and h.replies.empty() and lane.in_system() == 0
+    assert h.lane is None
+
+
+def test_admission_admits_through_the_handle_and_answers_accepted():
+    lane = _lane(capacity=1)
+    admission = Admission([lane], tenants=(TENANT,))
+    admission.ready = True
+    first, second = _handle(1), _handle(2)
+    for h in (first, second):
+        admission._admit(_submit(h))
+    assert first.lane is lane and isinstance(first.replies.get_nowait(), Accepted)
+    assert lane.batcher_inbox.get_nowait().handle is first
+    refused = second.replies.get_nowait()
+    assert refused.status == 429 and second.lane is None  # full: capacity 1
+    assert admission.quotas.in_flight("t") == 1
+    first.done = True
+    first.close()
+    assert lane.in_system() == 0 and not lane.full and admission.quotas.in_flight("t") == 0

@@ -1,0 +1,134 @@
+"""A served model's lane (its slots and its batcher), and the handle that holds a request's
+slot from ingress to release.
+
+    api: handle = RequestHandle(id, replies)  --Submit(handle)-->  admission
+    admission: handle.admit(lane, msg, quotas)  takes a slot (or refuses, or drops a handle
+                                                whose reader has already gone)
+    api: handle.abort()                 the reader left: one Abort(handle) to the batcher
+    batcher: handle.abort_taken()       it has it
+    api: handle.release()               the handler ended: unused tokens go back
+
+A slot is held from ``admit`` until the handler has released it *and* any Abort it sent has
+been taken by the batcher. These methods are the only writers of ``Lane.held``, so admission's
+capacity check and the bound on the batcher's inbox (each slot puts at most one Submit and one
+Abort there) rest on one count with one owner: the handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from tinyserve.actors.quotas import TenantQuotas
+from tinyserve.core.slo import SloController
+from tinyserve.messages import Abort, Submit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Lane:
+    """One served model as admission and ingress see it. ``held`` moves only through
+    RequestHandle; ``refused`` is admission's, ``down`` the server's (on the supervisor's
+    word); the rest is fixed at startup."""
+
+    name: str
+    batcher_inbox: asyncio.Queue
+    capacity: int  # max_num_seqs + max_waiting
+    max_model_len: int
+    slo: SloController | None = None  # the batcher's; admission reads its limit and level
+    fallback: str | None = None  # --fallback: serves degradable traffic while this one cannot
+    down: str | None = None  # why its steps fail; None while it serves
+    held: int = 0  # slots held by handles (see the module docstring)
+    refused: int = 0  # turned away for capacity (the SLO controller's overload signal)
+
+    def __post_init__(self) -> None:
+        if self.slo is None:
+            self.slo = SloController(None, None, self.capacity)
+
+    @property
+    def limit(self) -> int:
+        """Requests it may hold now: its capacity, or the SLO controller's smaller limit."""
+        return min(self.capacity, self.slo.limit)
+
+    @property
+    def full(self) -> bool:
+        return self.in_system() >= self.limit
+
+    def in_system(self) -> int:
+        """Requests holding a slot: from admission until their handler ends (a slow reader
+        keeps its slot) and their Abort, if they sent one, has reached the batcher."""
+        return self.held
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One request from ingress to release: its reply queue and the slot it holds."""
+
+    request_id: int  # the server's own id
+    replies: asyncio.Queue  # Accepted | Failed, then Outputs: the request's own, bounded
+    lane: Lane | None = None  # set by admission: the model answering it
+    generated: int = 0  # completion tokens the reader has seen (the rest is refunded)
+    done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
+    _charge: tuple = field(default=(), repr=False)  # admission's: (quotas, tenant, max_tokens)
+    _released: bool = False
+    _abort_pending: bool = False
+    _holds_slot: bool = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def admit(self, lane: Lane, msg: Submit, quotas: TenantQuotas | None = None) -> bool:
+        """Admission takes its Submit onto ``lane``, charging the tenant's ``quotas`` what it
+        may use (prompt + max_tokens; the completion tokens it does not generate come back at
+        release). False: its handler has already ended, so nobody would read it."""
+        if self._released:
+            return False
+        self.lane, self._holds_slot = lane, True
+        lane.held += 1
+        if quotas is not None:
+            quotas.admit(msg.tenant, len(msg.prompt_token_ids) + msg.params.max_tokens)
+            self._charge = (quotas, msg.tenant, msg.params.max_tokens)
+        return True
+
+    def abort(self) -> None:
+        """Stop the request wherever it is: once admitted, one Abort goes to its batcher
+        (behind its Submit, which admission queued first). Before admission has seen it,
+        nothing is needed: once released, admission drops it."""
+        if self.lane is None or self._abort_pending or not self._holds_slot:
+            return
+        try:
+            self.lane.batcher_inbox.put_nowait(Abort(self.request_id, self))
+            self._abort_pending = True
+        except asyncio.QueueFull:  # sized so it cannot be (see the module docstring)
+            log.error("batcher inbox full: request %d could not be aborted", self.request_id)
+
+    def abort_taken(self) -> None:
+        """The batcher has taken this handle's Abort."""
+        self._abort_pending = False
+        self._free()
+
+    def release(self) -> None:
+        """Its handler has ended (call once, last): the tokens it was charged for and did not
+        generate go back to its tenant; the slot is free once no Abort is on its way."""
+        if self._released:
+            return
+        self._released = True
+        if self._charge:
+            quotas, tenant, max_tokens = self._charge
+            quotas.release(tenant, max(0, max_tokens - self.generated))
+        self._free()
+
+    def close(self) -> None:
+        """The handler is done with it, however it ended: abort what may still run, then
+        release."""
+        if not self.done:
+            self.abort()
+        self.release()
+
+    def _free(self) -> None:
+        if self._holds_slot and self._released and not self._abort_pending:
+            self._holds_slot = False
+            self.lane.held -= 1

@@ -1,0 +1,70 @@
+"""The HTTP face as the server sees it: the aiohttp application (routes and middlewares), the
+loaded models once the server sets them, and the requests still waiting on an answer.
+
+    POST /v1/completions, /v1/chat/completions   completions.py -> generate.py (-> sse.py)
+    GET  /v1/models, /v1/models/{id}              info.py
+    POST /tokenize, /detokenize                   info.py
+    GET  /openapi.json                            info.py (openapi.py)
+    GET  /health, /ready, /metrics                probes.py
+    GET, POST /admin/routes                       admin.py
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from tinyserve.api.admin import AdminRoutes
+from tinyserve.api.completions import CompletionRoutes
+from tinyserve.api.context import ApiContext, Serving
+from tinyserve.api.generate import Generator
+from tinyserve.api.info import InfoRoutes
+from tinyserve.api.middleware import middlewares
+from tinyserve.api.probes import Probes
+from tinyserve.config import ServerConfig
+
+
+class Api:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.ctx = ApiContext(cfg)
+        self.generator = Generator(self.ctx)
+
+    @property
+    def serving(self) -> Serving | None:
+        return self.ctx.serving
+
+    @serving.setter
+    def serving(self, serving: Serving) -> None:
+        self.ctx.serving = serving
+
+    @property
+    def num_live(self) -> int:
+        """Requests with a handler waiting on them (the drain waits for none)."""
+        return self.generator.num_live
+
+    def fail_all(self, status: int, message: str, model: str | None = None) -> None:
+        """Answer every pending request (of one model, if given) with this error now: the
+        supervisor's last resort, or a model that went down."""
+        self.generator.fail_all(status, message, model)
+
+    def app(self) -> web.Application:
+        ctx = self.ctx
+        app = web.Application(middlewares=middlewares(ctx.cfg.access_log, ctx.count_error),
+                              client_max_size=ctx.cfg.max_body_bytes)
+        gen, info = CompletionRoutes(ctx, self.generator), InfoRoutes(ctx)
+        probes, admin = Probes(ctx), AdminRoutes(ctx)
+        add = {"GET": app.router.add_get, "POST": app.router.add_post}  # (GET: HEAD too)
+        for method, path, handler in (
+                ("POST", "/v1/chat/completions", gen.chat_completions),
+                ("POST", "/v1/completions", gen.completions),
+                ("GET", "/v1/models", info.models),
+                ("GET", "/v1/models/{model_id:.+}", info.model),
+                ("POST", "/tokenize", info.tokenize),
+                ("POST", "/detokenize", info.detokenize),
+                ("GET", "/openapi.json", info.openapi),
+                ("GET", "/health", probes.health),
+                ("GET", "/ready", probes.ready),
+                ("GET", "/metrics", probes.metrics),
+                ("GET", "/admin/routes", admin.get_routes),
+                ("POST", "/admin/routes", admin.set_routes)):
+            add[method](path, handler)
+        return app

@@ -1,0 +1,97 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's two generate routes.
+
+    auth -> decode (400 naming the field) -> route (``model`` names a served model or a
+    --route alias; 404 if neither) -> with that model's parser: tools, prompt ids, sampling
+    params, the vocabulary check, the grammar compiled (400 naming the field) -> a Job for
+    the generate path, with the shaper that says what the answer looks like
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from tinyserve.api.auth import authenticate
+from tinyserve.api.context import ApiContext, read_body
+from tinyserve.api.errors import ApiError
+from tinyserve.api.fields import decode_request
+from tinyserve.api.generate import Generator, Job
+from tinyserve.api.info import route
+from tinyserve.api.prompts import PromptParser, batch_of
+from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
+from tinyserve.api.sampling import Generating, sampling_params
+from tinyserve.api.shaping import ChatShaper, CompletionShaper, Shaper
+from tinyserve.api.tools import ToolPlan
+from tinyserve.api.tools import plan as tools_plan
+from tinyserve.core.engine_core import check_sampling_vocabulary
+from tinyserve.messages import FieldError, SamplingParams
+
+
+class CompletionRoutes:
+    def __init__(self, ctx: ApiContext, generator: Generator) -> None:
+        self._ctx = ctx
+        self._generator = generator
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CompletionRequest)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, ChatCompletionRequest)
+
+    async def _generate(self, request: web.Request, kind: type[Generating]
+                        ) -> web.StreamResponse:
+        tenant = authenticate(request, self._ctx.cfg.tenant_list)
+        serving = self._ctx.serving_or_503()
+        if serving.supervisor.failure:
+            raise ApiError(503, f"the server is unhealthy: {serving.supervisor.failure}",
+                           retry_after=5.0)
+        async with self._ctx.parsing:
+            req = decode_request(await read_body(request), kind)
+            model = route(serving, req.model, tenant, req.user)
+            parser = serving.parsers[model]
+            prompts, params, tools = await parse(parser, req, tenant.cache_salt.decode())
+        chat = isinstance(req, ChatCompletionRequest)
+        if chat and req.stream and req.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs is not supported with stream in chat "
+                           "completions", param="prompt_logprobs", code="unsupported_parameter")
+        return await self._generator.run(request, Job(
+            prompts, params, req.n, tenant, model, req.stream,
+            _shaper(req, parser, params, prompts, tools)))
+
+
+async def parse(parser: PromptParser, req: Generating, grammar_scope: str = ""
+                ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
+    """A decoded request routed to this model -> the token ids of its prompts (one, or a
+    completions batch), its sampling parameters and its tools (chat). ``grammar_scope``: the
+    tenant's cache group."""
+    chat = isinstance(req, ChatCompletionRequest)
+    tools = tools_plan(req.tools, req.tool_choice, parser.tool_parser,
+                       req.parallel_tool_calls) if chat else None
+    prompts = await parser.prompts(req, tools)
+    params, grammar_field = sampling_params(req, parser.max_tokens_for(req, prompts), tools,
+                                            grammar_scope)
+    try:
+        check_sampling_vocabulary(params, parser.vocab_size)
+    except FieldError as e:
+        raise ApiError.from_field(e) from None
+    if params.guided is not None:
+        await parser.check_grammar(params.guided, grammar_field)
+    return prompts, params, tools
+
+
+def _shaper(req: Generating, parser: PromptParser, params: SamplingParams,
+            prompts: list[list[int]], tools: ToolPlan | None):
+    """The response's shaper, once the answering model and the number of choices are known."""
+    want = params.logprobs is not None
+    tok = parser.tokenizer
+    if isinstance(req, ChatCompletionRequest):
+        return lambda model, choices: ChatShaper(req, model, tok, want, choices=choices,
+                                                 tools=tools)
+    echo = None
+    if req.echo:  # the prompt as sent (a string), or its ids decoded (the ids are what ran)
+        cut = req.truncate_prompt_tokens is not None
+        echo = [(p if isinstance(p, str) and not cut else tok.decode(ids), ids)
+                for p, ids in zip(batch_of(req.prompt), prompts, strict=True)]
+
+    def shaper(model: str, choices: int) -> Shaper:
+        return CompletionShaper(req, model, tok, want, choices=choices, echo=echo)
+    return shaper

@@ -1,0 +1,78 @@
+"""Server-Sent Events: a response's chunks as ``data: <json>`` events, then ``data: [DONE]``.
+
+Headers go out first (with the answering model), then whatever the shaper makes of each batch
+of outputs. Once headers are sent an error can no longer change the status: it becomes the
+last event, in the error envelope. A client that stops reading for WRITE_TIMEOUT_S is treated
+as gone (its request is aborted by the caller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from aiohttp import web
+
+from tinyserve.api.access_log import AccessInfo
+from tinyserve.api.errors import ApiError
+from tinyserve.api.shaping import Shaper, logprob_entries
+from tinyserve.messages import Output
+
+WRITE_TIMEOUT_S = 30.0  # a streaming client that reads nothing for this long has gone
+OFF_LOOP_LOGPROBS = 256  # outputs carrying more logprob entries are shaped in a worker thread
+
+
+async def stream(request: web.Request, outputs: AsyncIterator[list[tuple[int, Output]]],
+                 shaper: Shaper, headers: dict[str, str], access: AccessInfo | None,
+                 count_error: Callable[[ApiError], None]) -> web.StreamResponse:
+    """Send ``outputs`` (batches of (choice index, Output)) as the shaper's chunks."""
+    resp = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
+    await resp.prepare(request)
+    send = _sender(resp, request.transport)
+
+    def shape(outs: list[tuple[int, Output]]) -> list:
+        return [chunk for i, out in outs for chunk in shaper.chunks(out, i)]
+
+    await send(shaper.opening())
+    loop = asyncio.get_running_loop()
+    try:
+        async with contextlib.aclosing(outputs):
+            async for outs in outputs:
+                if logprob_entries([out for _, out in outs]) > OFF_LOOP_LOGPROBS:
+                    # (a prompt's logprobs: shaped off the loop, as whole bodies are)
+                    await send(await loop.run_in_executor(None, shape, outs))
+                else:
+                    await send(shape(outs))
+    except ApiError as e:  # headers are sent: the error becomes the last event
+        count_error(e)
+        if access is not None:
+            access.stream_error = e.status
+        await resp.write(b"data: " + e.body() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def _sender(resp: web.StreamResponse, transport: asyncio.Transport | None):
+    async def send(chunks: list) -> None:
+        data = b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks)
+        if not data:
+            return
+        if (transport is not None and not transport.get_write_buffer_size()
+                and len(data) <= transport.get_write_buffer_limits()[1]):
+            # The socket took everything so far and this write fits under the high-water
+            # mark: the transport cannot pause, so aiohttp's drain cannot wait on the reader
+            # and the write needs no timeout - the common case, and a timer per write was a
+            # tenth of the loop's time at 256 streams.
+            await resp.write(data)
+            return
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                await resp.write(data)
+        except TimeoutError:  # it stopped reading: treat it as gone (aborts the request)
+            raise ConnectionResetError("the client stopped reading the stream") from None
+
+    return send
