@@ -1,17 +1,17 @@
 """Every message that crosses an actor queue, in one file: this is the wiring diagram.
 
-    Ingress (api/) --Submit--> Admission --Submit--> Batcher --StepPlan--> Executor
+    api/ --Submit--> Admission --Submit--> Batcher --StepPlan--> Executor
        ^  |                 |                   ^  |                   |
        |  +----Abort--------|------------------>|  +---StepResult------+
        +--Accepted/Failed---+                   |
        +--------Output/Failed (per request)-----+
-    Batcher, Admission, Ingress --StepStats/RequestFinished/Rerouted/...--> Metrics
+    Batcher, Admission, api/ --StepStats/RequestFinished/Rerouted/...--> Metrics
 
 With several models each has its own batcher (and engine core); admission picks the batcher
 (a fallback's, when the model is degraded or down), and the one executor runs the batchers'
 steps in turn: its inbox takes (model name, StepPlan).
     Supervisor: watches every actor task and the step in flight (no messages: it reads
-    snapshots and, on a fatal fault, fails every pending request through Ingress)
+    snapshots and, on a fatal fault, fails every pending request through the API)
 
 Messages are small frozen msgspec Structs; token ids are tuples; no tensors cross a queue. A
 Submit carries its request's handle (its own output queue and the slot it holds), as actors
@@ -226,14 +226,14 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
-# -- Ingress -> Admission -> Batcher ----------------------------------------------------------
+# -- api -> Admission -> Batcher -------------------------------------------------------------
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):
     request_id: int  # the server's own id (never the client's X-Request-Id)
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    arrival_time: float  # time.monotonic() at ingress
+    arrival_time: float  # time.monotonic() when the API accepted it
     # actors.lanes.RequestHandle: the request's reply queue and the slot admission gives it
     handle: Any
     cache_salt: bytes = b""  # the tenant's cache group: prefix-cache sharing scope

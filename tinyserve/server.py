@@ -7,7 +7,7 @@
 
 All actors run on one event loop; the models run in the executor's one worker thread, in
 turn. Each served model has its own engine (weights, KV pool share), engine core (scheduler),
-batcher and SLO controller; admission, ingress, metrics and the supervisor are shared.
+batcher and SLO controller; admission, the API, metrics and the supervisor are shared.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Admission actor: decides, per request, whether and where the engine takes it now.
 
 Rules, in order: the server is unhealthy, not ready or draining -> 503; the model (the one
-ingress routed to) is degraded to level 2+ or down and the tenant is degradable -> its fallback
+the API routed to) is degraded to level 2+ or down and the tenant is degradable -> its fallback
 model serves it instead (if it has one that is up and fits the request); the model is down ->
 503; the degradation ladder sheds the tenant's priority -> 503; the tenant is at its
 concurrency limit or out of tokens for the minute -> 429 with the Retry-After its bucket needs
@@ -14,8 +14,8 @@ Accepted, naming the model (so an Abort can never overtake its Submit). A Submit
 was already released (its client left while it waited here) is dropped. Every rejection is
 counted by tenant and reason, every reroute by model, fallback, tenant and reason.
 
-Inbox capacity: the models' capacities together. Ingress puts without waiting; a full inbox
-means at least that many requests are already ahead of this one, so ingress answers 429 +
+Inbox capacity: the models' capacities together. The API puts without waiting; a full inbox
+means at least that many requests are already ahead of this one, so the API answers 429 +
 Retry-After right there, exactly as this actor would. Below capacity nobody is turned away.
 """
 

@@ -309,7 +309,7 @@ class Batcher:
 
     def _end(self, req: Request, reason: str | None) -> None:
         """Forget the request (freeing its blocks) and record how it finished; None: it failed
-        (ingress counts the error it answered, under request_errors_total)."""
+        (the API counts the error it answered, under request_errors_total)."""
         self.core.release(req.request_id)
         if req.request_id in self._after:  # it ended before its first token: they go ahead
             self._release_after(req.request_id)

@@ -1,5 +1,5 @@
 """A served model's lane (its slots and its batcher), and the handle that holds a request's
-slot from ingress to release.
+slot from the API accepting it to release.
 
     api: handle = RequestHandle(id, replies)  --Submit(handle)-->  admission
     admission: handle.admit(lane, msg, quotas)  takes a slot (or refuses, or drops a handle
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Lane:
-    """One served model as admission and ingress see it. ``held`` moves only through
+    """One served model as admission and the API see it. ``held`` moves only through
     RequestHandle; ``refused`` is admission's, ``down`` the server's (on the supervisor's
     word); the rest is fixed at startup."""
 
@@ -64,7 +64,7 @@ class Lane:
 
 @dataclass(eq=False)
 class RequestHandle:
-    """One request from ingress to release: its reply queue and the slot it holds."""
+    """One request from the API accepting it to release: its reply queue and the slot it holds."""
 
     request_id: int  # the server's own id
     replies: asyncio.Queue  # Accepted | Failed, then Outputs: the request's own, bounded

@@ -138,7 +138,7 @@ class Metrics:
                                         "inter_token_latency_seconds)", buckets=ITL_BUCKETS)
             self.kv_usage_alias = per_model(G, "gpu_cache_usage_perc", "KV-cache usage (0-1); "
                                             "DEPRECATED in vLLM: use kv_cache_usage_perc")
-        # -- admission, ingress, the server
+        # -- admission, the API, the server
         self.cache_info = per_model(Info, "cache_config", "KV cache configuration")
         self.rejections = per_model(C, "admission_rejections",
                                     "Requests turned away by admission, by model, tenant and "

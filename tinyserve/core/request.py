@@ -19,7 +19,7 @@ class Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     reply_to: Any = None  # serving: the request's own bounded reply queue
-    arrival_time: float = 0.0  # time.monotonic() at ingress
+    arrival_time: float = 0.0  # time.monotonic() when the API accepted it
     internal: bool = False  # the server's own warm-up: kept out of request metrics
     n: int = 1  # the API request's n on its first choice, 0 on the others (for metrics)
     first_scheduled: float | None = None

@@ -8,7 +8,7 @@ lands on one model while the weights stand, and a weight change moves only the k
 point changes slices (90/10 -> 80/20 moves a tenth of the users, all from the first to the
 second).
 
-The route table is owned by ingress (the only writer: ``POST /admin/routes``); a change is
+The route table's only writer is the API's admin route (``POST /admin/routes``); a change is
 one dict assignment on the event loop, so a request is routed by the old table or the new one,
 never half of each, and requests already routed keep their model.
 """

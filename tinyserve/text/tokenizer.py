@@ -68,7 +68,7 @@ class Tokenizer:
         self.special_ids = frozenset(
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         # No token stands for more characters than its piece has (byte-level pieces have one
-        # character per byte, SentencePiece pieces one per character plus the "▁"): ingress
+        # character per byte, SentencePiece pieces one per character plus the "▁"): the API
         # rejects text longer than max_model_len of these without tokenizing it.
         self.max_token_chars = max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
 
