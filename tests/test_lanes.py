@@ -2,7 +2,7 @@
 
 A slot is held from ``admit`` until the handler released it and any Abort it sent has been
 taken by the batcher; tokens charged and not generated go back to the tenant; a handle
-released before admission saw it is dropped by admission (no slot, no answer)."""
+released before admission saw it is admitted uncharged and aborted at once."""
 
 import asyncio
 import time
@@ -31,7 +31,7 @@ def _submit(h: RequestHandle, prompt: int = 2, max_tokens: int = 4) -> Submit:
 
 def test_a_finished_request_frees_its_slot_and_refunds_what_it_did_not_use():
     lane, quotas, h = _lane(), TenantQuotas((TENANT,)), _handle()
-    assert h.admit(lane, _submit(h, 20, 80), quotas)  # 20 prompt tokens, max_tokens 80
+    h.admit(lane, _submit(h, 20, 80), quotas)  # 20 prompt tokens, max_tokens 80
     assert lane.in_system() == 1 and quotas.in_flight("t") == 1
     h.generated, h.done = 30, True
     h.close()  # done: no Abort
@@ -66,17 +66,22 @@ def test_the_abort_taken_before_the_handler_ends_still_waits_for_release():
     assert lane.in_system() == 0
 
 
-def test_abort_before_admission_sends_nothing_and_admission_drops_the_request():
+def test_a_client_gone_before_admission_is_admitted_and_aborted_at_once_uncharged():
+    """As before the handles: it ends as an abort in the batcher (and in the metrics), its
+    slot freed once the batcher takes the Abort, its tenant charged nothing."""
     lane = _lane()
     admission = Admission([lane], tenants=(TENANT,))
     admission.ready = True
     h = _handle(3)
     msg = _submit(h)
     h.close()  # the client left while the Submit waited for admission
-    assert lane.batcher_inbox.empty()
+    assert lane.batcher_inbox.empty()  # nothing to abort yet
     admission._admit(msg)
-    assert lane.batcher_inbox.empty() and h.replies.empty() and lane.in_system() == 0
-    assert h.lane is None
+    submit, abort = lane.batcher_inbox.get_nowait(), lane.batcher_inbox.get_nowait()
+    assert submit is msg and isinstance(abort, Abort) and abort.request_id == 3
+    assert lane.in_system() == 1 and admission.quotas.in_flight("t") == 0
+    abort.handle.abort_taken()
+    assert lane.in_system() == 0 and admission.quotas.in_flight("t") == 0
 
 
 def test_admission_admits_through_the_handle_and_answers_accepted():

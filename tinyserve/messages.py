@@ -88,8 +88,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.structs.force_setattr(self, "stop", stop)
         msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        if not all(math.isfinite(b) for _, b in bias):  # (before clamping: NaN would pass)
-            raise FieldError("logit_bias", "logit_bias values must be finite numbers")
+        if any(math.isnan(b) for _, b in bias):  # (NaN would pass the clamp below)
+            raise FieldError("logit_bias", "logit_bias values must be numbers, got NaN")
         # vLLM clamps biases to [-100, 100]; the last entry for a token wins (as in a dict)
         merged = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias}
         msgspec.structs.force_setattr(self, "logit_bias", tuple(sorted(merged.items())))

@@ -7,7 +7,6 @@ from ray.exceptions import RayTaskError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tinyserve.config import TenantConfig
 from tinyserve.fleet.ingress import FleetIngress, _reason
 from tinyserve.fleet.relay import ReplicaDown
 
@@ -71,7 +70,7 @@ def test_reason_never_carries_a_remote_traceback():
 
 def _request(headers: list[tuple[str, str]], body: bytes) -> Request:
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
+             "headers": [(k.lower().encode(), v.encode("utf-8")) for k, v in headers]}
     sent = []
 
     async def receive():
@@ -90,7 +89,7 @@ class _Replicas:
 def test_an_unknown_callers_prompt_never_steers_routing():
     """The prefix tree learns prompts from the bodies it routes: only a caller whose key the
     replicas accept may feed it (the request is still relayed: the replica answers 401)."""
-    ingress = FleetIngress(_Replicas(), tenants=(TenantConfig("acme", api_key="key-a"),))
+    ingress = FleetIngress(_Replicas(), server_args=["--api-key", "clé-a"])
     seen = []
 
     async def answer(req):
@@ -99,7 +98,8 @@ def test_an_unknown_callers_prompt_never_steers_routing():
 
     ingress._answer = answer
     body = json.dumps({"model": "m", "prompt": "Once upon a time"}).encode()
-    for headers in ([], [("Authorization", "Bearer wrong")], [("Authorization", "Bearer key-a")]):
+    for key in (None, "wrong", "clé-a"):  # (a key with non-ASCII bytes: as the replica reads it)
+        headers = [] if key is None else [("Authorization", f"Bearer {key}")]
         asyncio.run(ingress(_request(headers, body)))
     assert [r.prompt for r in seen] == ["", "", "Once upon a time"]
     assert all(r.body == body for r in seen)

@@ -10,8 +10,9 @@ controller's smaller limit) -> a degradable tenant spills over to the fallback i
 room, anyone else gets 429 with Retry-After (counted: sustained refusals climb the model's
 degradation ladder); else the request's handle takes a slot on that model's lane
 (``lanes.py``), the Submit goes on to the model's batcher, and only then is the request told
-Accepted, naming the model (so an Abort can never overtake its Submit). A Submit whose handle
-was already released (its client left while it waited here) is dropped. Every rejection is
+Accepted, naming the model (so an Abort can never overtake its Submit). A request whose client
+left while it waited here is decided as any other, and if admitted is aborted right behind
+its Submit (no quota charged), so it ends as an abort in the metrics. Every rejection is
 counted by tenant and reason, every reroute by model, fallback, tenant and reason.
 
 Inbox capacity: the models' capacities together. The API puts without waiting; a full inbox
@@ -100,8 +101,6 @@ class Admission:
                 msg.reply_to.put_nowait(Failed(500, "admission failed"))
 
     def _admit(self, msg: Submit) -> None:
-        if msg.handle.released:
-            return  # its client left before we got to it: nobody would read an answer
         fault = self._unhealthy()
         if fault or self.draining or not (self.ready or msg.internal):  # warm-up: before ready
             why = (f"the server is unhealthy: {fault}" if fault else
@@ -129,6 +128,8 @@ class Admission:
             return
         msg.handle.admit(lane, msg, None if msg.internal else self.quotas)
         lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see lanes.py)
+        if msg.handle.released:  # its client left while it waited here: end it as an abort
+            msg.handle.abort()  # (right behind its Submit: counted like any other)
         if lane is not routed:
             self._emit(Rerouted(routed.name, lane.name, msg.tenant, why))
         msg.reply_to.put_nowait(Accepted(lane.name))

@@ -2,8 +2,8 @@
 slot from the API accepting it to release.
 
     api: handle = RequestHandle(id, replies)  --Submit(handle)-->  admission
-    admission: handle.admit(lane, msg, quotas)  takes a slot (or refuses, or drops a handle
-                                                whose reader has already gone)
+    admission: handle.admit(lane, msg, quotas)  takes a slot (or refuses); a handle whose
+                                                reader has already gone is aborted at once
     api: handle.abort()                 the reader left: one Abort(handle) to the batcher
     batcher: handle.abort_taken()       it has it
     api: handle.release()               the handler ended: unused tokens go back
@@ -80,23 +80,21 @@ class RequestHandle:
     def released(self) -> bool:
         return self._released
 
-    def admit(self, lane: Lane, msg: Submit, quotas: TenantQuotas | None = None) -> bool:
+    def admit(self, lane: Lane, msg: Submit, quotas: TenantQuotas | None = None) -> None:
         """Admission takes its Submit onto ``lane``, charging the tenant's ``quotas`` what it
         may use (prompt + max_tokens; the completion tokens it does not generate come back at
-        release). False: its handler has already ended, so nobody would read it."""
-        if self._released:
-            return False
+        release). A handle already released (its client left while it waited for admission)
+        is charged nothing: admission aborts it right behind its Submit."""
         self.lane, self._holds_slot = lane, True
         lane.held += 1
-        if quotas is not None:
+        if quotas is not None and not self._released:
             quotas.admit(msg.tenant, len(msg.prompt_token_ids) + msg.params.max_tokens)
             self._charge = (quotas, msg.tenant, msg.params.max_tokens)
-        return True
 
     def abort(self) -> None:
         """Stop the request wherever it is: once admitted, one Abort goes to its batcher
         (behind its Submit, which admission queued first). Before admission has seen it,
-        nothing is needed: once released, admission drops it."""
+        nothing is needed: admission aborts a released handle as it admits it."""
         if self.lane is None or self._abort_pending or not self._holds_slot:
             return
         try:

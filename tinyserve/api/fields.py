@@ -11,6 +11,7 @@ neither defines is ignored, as OpenAI does, and logged once per name.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -179,18 +180,33 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 def _bad_field(body: bytes, kind: type[msgspec.Struct]) -> str | None:
     """The top-level field a body that failed to decode as ``kind`` got wrong, found as
-    msgspec finds it: the first value (in the body's order) that does not decode as its
-    field's type, else the first required field missing. Decodes field by field: only on the
-    error path."""
+    msgspec finds it: the first value, in the body's order (a repeated key's first value
+    included), that does not convert to its field's type; else the first required field
+    missing. Only on the error path: it parses the body again, field by field."""
     try:
-        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        top = json.loads(body, object_pairs_hook=_Pairs)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(top, _Pairs):
         return None  # not an object: no field is at fault
     fields = {f.encode_name: f for f in msgspec.structs.fields(kind)}
-    for name, value in raw.items():
+    for name, value in top:
         if name in fields:
             try:
-                msgspec.json.decode(value, type=fields[name].type)
-            except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+                msgspec.convert(_plain(value), type=fields[name].type)
+            except (msgspec.ValidationError, RecursionError):
                 return name
-    return next((n for n, f in fields.items() if f.required and n not in raw), None)
+    given = {name for name, _ in top}
+    return next((n for n, f in fields.items() if f.required and n not in given), None)
+
+
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs, repeated keys kept."""
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _Pairs):
+        return {k: _plain(v) for k, v in value}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

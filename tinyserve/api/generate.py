@@ -84,8 +84,8 @@ class Generator:
                 self._submit(serving, job, h, ids_of[i], choice_params(job.params, i % job.n),
                              job.n if i == first else 0,
                              None if i == first else handles[first].request_id)
-            for h in handles:
-                await self._decided(h, access)
+            for i, h in enumerate(handles):  # (the access line names the first's model)
+                await self._decided(h, access if i == 0 else None)
             answering = handles[0].lane.name
             shaper = job.shaper(answering, len(handles))
             outputs = _merged([self._outputs(h, access if i == 0 else None)

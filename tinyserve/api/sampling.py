@@ -9,6 +9,7 @@ before any stream starts). Every refusal names the request's own field.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -16,7 +17,7 @@ import msgspec
 from tinyserve.api.errors import ApiError
 from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
 from tinyserve.api.tools import ToolPlan
-from tinyserve.messages import MAX_LOGIT_BIAS, FieldError, GrammarSpec, SamplingParams
+from tinyserve.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, FieldError, GrammarSpec, SamplingParams
 
 MAX_N = 64  # choices per request (n x prompts: each is a request to admission)
 
@@ -34,6 +35,9 @@ def sampling_params(req: Generating, max_tokens: int, tools: ToolPlan | None = N
     if chat:
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                           f"{req.top_logprobs}", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
@@ -66,9 +70,7 @@ def sampling_params(req: Generating, max_tokens: int, tools: ToolPlan | None = N
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output, guided=guided)
     except FieldError as e:
-        # chat asks for the number of alternatives as top_logprobs
-        raise ApiError.from_field(e, "top_logprobs" if chat and e.field == "logprobs"
-                                  else None) from None
+        raise ApiError.from_field(e) from None
     return params, field
 
 
@@ -162,5 +164,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         except ValueError:
             raise ApiError(400, f"logit_bias: {key[:40]!r} is not a token id",
                            param="logit_bias") from None
+        if not math.isfinite(value):
+            raise ApiError(400, "logit_bias values must be finite numbers", param="logit_bias")
         out.append((token, value))
     return tuple(out)

@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinyserve.config import ServerConfig, TenantConfig, load_tenants
 from tinyserve.fleet.replica import check_server_args
 
 ROUTER_CLASS = "tinyserve.fleet.router.PrefixLoadRouter"
@@ -86,13 +85,6 @@ class FleetConfig:
             raise ValueError(f"server_args are not valid server options: "
                              f"{' '.join(self.server_args)}") from None
 
-    def tenants(self) -> tuple[TenantConfig, ...]:
-        """The tenants (and keys) the replicas' servers accept: the ingress checks a key
-        before a body's prompt may steer routing."""
-        args = self.parsed_server_args()
-        tenants = load_tenants(args.tenants) if args.tenants else ()
-        return ServerConfig(api_key=args.api_key, tenants=tenants).tenant_list
-
     def replica_server_args(self) -> list[str]:
         """server_args, plus --drain-timeout from drain_timeout_s unless they set it."""
         if any(a.split("=", 1)[0] == "--drain-timeout" for a in self.server_args):
@@ -164,7 +156,7 @@ def build(cfg: FleetConfig):
                                max_ongoing_requests=100_000)  # back-pressure is the replicas'
     return ingress.bind(replica.bind(cfg.replica_server_args(), cfg.startup_timeout_s,
                                      cfg.drain_timeout_s),
-                        cfg.max_body_bytes, cfg.route_timeout_s, cfg.tenants())
+                        cfg.max_body_bytes, cfg.route_timeout_s, cfg.replica_server_args())
 
 
 def build_app(args: dict[str, Any]):

@@ -20,8 +20,14 @@ from starlette.responses import Response, StreamingResponse
 
 from tinyserve.api.auth import find_tenant
 from tinyserve.api.errors import ApiError
-from tinyserve.config import TenantConfig
-from tinyserve.fleet.relay import FleetRequest, ReplicaDown, relay_headers, routing_text
+from tinyserve.fleet.relay import (
+    FleetRequest,
+    ReplicaDown,
+    header_text,
+    relay_headers,
+    routing_text,
+    server_tenants,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -37,12 +43,12 @@ class FleetIngress:
     """The Serve deployment class (decorated in :mod:`tinyserve.fleet.app`)."""
 
     def __init__(self, replicas, max_body_bytes: int = 4 * 2**20,
-                 route_timeout_s: float = 60.0,
-                 tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)) -> None:
+                 route_timeout_s: float = 60.0, server_args: list[str] | None = None) -> None:
         self.replicas = replicas.options(stream=True)
         self.max_body_bytes = max_body_bytes
         self.route_timeout_s = route_timeout_s
-        self.tenants = tenants  # the replicas' keys: only a known caller's prompt steers routing
+        # the replicas' keys: only a known caller's prompt steers routing
+        self.tenants = server_tenants(server_args or [])
 
     async def __call__(self, request: Request) -> Response:
         if request.url.path == "/health":  # this ingress is up; /ready asks a replica
@@ -56,7 +62,8 @@ class FleetIngress:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         # The replica checks the key again and answers 401 itself; here an unknown caller's
         # body is simply not read, so it cannot steer which replica's cache others land on.
-        known = find_tenant(self.tenants, request.headers.get("authorization", "")) is not None
+        key = header_text(request.headers.get("authorization", ""))
+        known = find_tenant(self.tenants, key) is not None
         req = FleetRequest(request.method, path, relay_headers(request.headers.items()), body,
                            routing_text(body) if body and known else "")
         return await self._answer(req)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from tinyserve.config import ServerConfig, TenantConfig, load_tenants
+
 # Per-connection headers (RFC 9110 7.6.1) and ones the relaying HTTP stacks set themselves.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                   "trailer", "transfer-encoding", "upgrade", "host", "content-length", "date",
@@ -31,6 +33,22 @@ class FleetRequest:
     body: bytes
     prompt: str = ""
     exclude: tuple[str, ...] = field(default=())
+
+
+def server_tenants(server_args: list[str]) -> tuple[TenantConfig, ...]:
+    """The tenants (and keys) a replica's server accepts with these args (its --tenants
+    file or --api-key, read where this runs: the ingress reads them as the replicas do)."""
+    from tinyserve.__main__ import build_parser
+
+    args = build_parser().parse_args(server_args)
+    tenants = load_tenants(args.tenants) if args.tenants else ()
+    return ServerConfig(api_key=args.api_key, tenants=tenants).tenant_list
+
+
+def header_text(value: str) -> str:
+    """A header value as the replica's aiohttp reads it: Starlette decodes header bytes as
+    latin-1, aiohttp as UTF-8 (undecodable bytes kept as surrogates)."""
+    return value.encode("latin-1", "replace").decode("utf-8", "surrogateescape")
 
 
 class ReplicaDown(Exception):
