@@ -120,3 +120,28 @@ def test_a_line_never_raises_and_a_slow_reader_never_blocks(monkeypatch):
     for i in range(5):  # nobody drains the queue: the extra lines are dropped, not waited for
         handler.handle(logging.LogRecord("tinyserve.access", logging.INFO, "", 0, f"{i}", (), None))
     assert handler.queue.qsize() == 2 and handler.dropped == 3
+
+
+def test_a_request_whose_later_choices_spill_is_logged_under_its_first_choices_model(caplog):
+    """n=4 on a full model: the first choices run on it, the rest spill to the fallback; the
+    access line names the model the response names (the first choice's)."""
+    srv = InProcessServer(models={"a": FakeRunner(step_seconds=0.05), "b": FakeRunner()},
+                          max_num_seqs=2, max_waiting=2, access_log=True,
+                          fallbacks=(("a", "b"),),
+                          tenants=(TenantConfig("default", degradable=True),))
+    body = {"model": "a", "prompt": [1, 3], "max_tokens": 3, "n": 4, "temperature": 1}
+    try:
+        with caplog.at_level(logging.INFO, logger="tinyserve.access"):
+            async def main():
+                busy = [asyncio.ensure_future(post(srv.url, "/v1/completions", {
+                    "model": "a", "prompt": [1, 2], "max_tokens": 40})) for _ in range(2)]
+                await asyncio.sleep(0.2)
+                got = await post(srv.url, "/v1/completions", body)
+                await asyncio.gather(*busy)
+                return got
+            status, answer, headers = run(main())
+    finally:
+        srv.stop()
+    assert status == 200 and headers["X-Tinyserve-Model"] == answer["model"] == "a"
+    [line] = [x for x in lines(caplog) if x["completion_tokens"] == 12]
+    assert line["model"] == "a"
