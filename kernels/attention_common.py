@@ -28,11 +28,21 @@ per key row, so they fold into the scores and probabilities instead of the tiles
 and the int8 codes go to tl.dot converted but unscaled (exact in fp16 / bf16: |c| <= 127).
 With several heads per program (the interpreter) a row's scale differs by column block, so
 the tiles are dequantized instead; both are the same sums up to rounding.
+
+Sliding windows (Mistral, Qwen2, Gemma 2/3's local layers, Phi-3): a query at position p sees
+keys n with p - window < n <= p (transformers' sliding-window mask). Keys before the window
+are neither loaded nor their block-table entries read (a sequence's blocks wholly out of
+every layer's window may already be released), and the loops start at the first key tile that
+can hold one: a tile that is wholly masked for a row changes nothing of it (alpha = 1, p = 0),
+so where a tile loop starts never changes a row's numbers. Soft-capping (Gemma 2): scores
+become cap * tanh(score / cap) before the softmax, computed in the log2 domain as
+cap' * tanh(s' / cap') with s' = score * log2(e), cap' = cap * log2(e).
 """
 
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.jitmath import softcap as cap_scores
 from tinyserve.kernels.kv_cache import check_kv_scales
 from tinyserve.kernels.utils import INTERPRET, check, next_pow2
 
@@ -59,17 +69,28 @@ def tile_layout(pid_h, num_kv_heads, head_dim, stride_kh,
 
 
 @triton.jit
+def window_start(first_q_pos, window, BLOCK_N: tl.constexpr):
+    """The first key a query at first_q_pos (or later) can see, and the key tile it lies in
+    (0 for a query before its window's end)."""
+    k_lo = tl.maximum(first_q_pos - window + 1, 0)
+    return k_lo, (k_lo // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
                  k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                 k_slot, k_table_off, k_hi, kv_col_off, col_ok, c_kvh, lo, hi,
-                 stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2,
+                 k_slot, k_table_off, k_lo, k_hi, kv_col_off, col_ok, c_kvh, lo, hi,
+                 stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2, window, cap_log2,
                  BLOCK_N: tl.constexpr, KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 QUANT: tl.constexpr, HEADS_PER_PROG: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Online-softmax attention of q [ROWS, COLS] over key positions [lo, hi), causal on q_pos.
+                 QUANT: tl.constexpr, HEADS_PER_PROG: tl.constexpr, DOT_PREC: tl.constexpr,
+                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Online-softmax attention of q [ROWS, COLS] over key positions [lo, hi), causal on q_pos
+    (and within ``window`` of it, with WINDOW; scores soft-capped with SOFTCAP).
 
     The key tile has KEYS = SEQ_SLOTS * BLOCK_N rows: BLOCK_N positions for each of the
     program's sequence slots. Key row i belongs to slot k_slot[i] (block-table row offset
-    k_table_off[i], positions < k_hi[i]); a query row only sees keys of its own slot q_slot.
+    k_table_off[i], positions in [k_lo[i], k_hi[i]) loaded); a query row only sees keys of its
+    own slot q_slot.
     Scores are in the log2 domain (sm_scale_log2 = scale * log2(e)). Tiles start at ``lo`` in
     fixed BLOCK_N steps and masked keys add exact zeros, so a row's numbers do not depend on
     which other rows or sequences share its program (batch invariance). Rows with no valid key
@@ -79,12 +100,14 @@ def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
     same_seq = k_slot[None, :] == q_slot[:, None]
     for start_n in range(lo, hi, BLOCK_N):
         n = start_n + offs_k
-        n_ok = n < k_hi
+        n_ok = (n < k_hi) & (n >= k_lo)
         block = tl.load(block_tables_ptr + k_table_off + n // BLOCK_SIZE, mask=n_ok, other=0)
         slot_off = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks
         kv_off = slot_off[:, None] + kv_col_off[None, :]
         kv_mask = n_ok[:, None] & col_ok[None, :]
         keep = same_seq & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if WINDOW:
+            keep = keep & (n[None, :] > q_pos[:, None] - window)
         if QUANT:
             s_off = block.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_ss
             if HEADS_PER_PROG == 1:  # one scale per key row: folded into scores and p
@@ -100,6 +123,8 @@ def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
         else:
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+        if SOFTCAP:
+            qk = cap_scores(qk, cap_log2)
         qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -136,7 +161,8 @@ class HeadParams:
     """Launcher-side view of the head layout shared by both attention kernels."""
 
     def __init__(self, q, k_cache, v_cache, block_tables, sm_scale: float | None,
-                 k_scale=None, v_scale=None):
+                 k_scale=None, v_scale=None, window: int | None = None,
+                 softcap: float | None = None):
         check(q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, head_dim] with unit last stride")
         check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape
               and k_cache.stride() == v_cache.stride(),
@@ -159,6 +185,11 @@ class HeadParams:
         self.heads_per_prog = next_pow2(self.num_kv_heads) if INTERPRET else 1
         scale = sm_scale if sm_scale is not None else self.head_dim ** -0.5
         self.sm_scale_log2 = scale * LOG2E
+        check(window is None or window >= 1, f"window must be >= 1, got {window}")
+        check(softcap is None or softcap > 0, f"softcap must be > 0, got {softcap}")
+        self.window = window or 0
+        self.cap_log2 = (softcap or 0.0) * LOG2E
+        self.flags = {"WINDOW": window is not None, "SOFTCAP": softcap is not None}
         self.kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         self.kv_grid = -(-self.num_kv_heads // self.heads_per_prog)
         # (an unquantized cache passes its own tensors where the scales would go: never read)

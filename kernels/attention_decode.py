@@ -8,7 +8,9 @@ its own program (so a long context still fills the GPU at small batch):
 Stage 2 merges the splits:  out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),  m = max lse
 (16 splits at a time with a running max, so a 128k context merges in registers).
 With a single split stage 1 writes ``out`` directly. ``split_size`` is fixed per process, so the
-split of a sequence depends on its own length only (batch invariant).
+split of a sequence depends on its own length only (batch invariant). With a sliding window,
+splits wholly before a sequence's window are skipped in both stages (its first split is
+(len - window) // split_size, again a function of its own length).
 Layouts: q, out [B, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables
 [B, max_blocks] int32, or [R, max_blocks] with ``table_rows`` [B] naming each sequence's row
 (a persistent table); seq_lens [B] (including the query token, already in the cache). An int8 cache comes with
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
+from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout, window_start
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
@@ -32,11 +34,11 @@ def _token_attention_paged_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_sb, stride_ss, stride_btb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    sm_scale_log2, num_seqs, num_kv_heads, head_dim, split_size,
+    sm_scale_log2, num_seqs, num_kv_heads, head_dim, split_size, window, cap_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     SEQ_SLOTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq0 = tl.program_id(0).to(tl.int64) * SEQ_SLOTS
     pid_h = tl.program_id(1)
@@ -51,8 +53,15 @@ def _token_attention_paged_kernel(
     row_len = tl.load(b_seq_len_ptr + row_b, mask=row_ok, other=0).to(tl.int64)
     lo = split * split_size
     row_ok = row_ok & (lo < row_len)  # this split exists for the row's sequence
-    hi = tl.minimum(tl.max(row_len, axis=0), lo + split_size)
-    if lo < hi:
+    if WINDOW:  # ... and reaches into its window
+        row_ok = row_ok & (lo + split_size > row_len - window)
+        _, first = window_start(tl.min(tl.where(row_ok, row_len - 1, 2**62), axis=0), window,
+                                BLOCK_N)
+        loop_lo = tl.maximum(lo, first)
+    else:
+        loop_lo = lo
+    hi = tl.minimum(tl.max(tl.where(row_ok, row_len, 0), axis=0), lo + split_size)
+    if loop_lo < hi:
         tile_mask = row_ok[:, None] & col_ok[None, :] & same_head
         q = tl.load(q_ptr + row_b[:, None] * stride_qb + q_head[:, None] * stride_qh + c_d[None, :],
                     mask=tile_mask, other=0.0)
@@ -63,15 +72,17 @@ def _token_attention_paged_kernel(
             k_row = tl.load(table_rows_ptr + k_b, mask=k_b < num_seqs, other=0).to(tl.int64)
         else:
             k_row = k_b
+        k_lo = tl.maximum(k_len - window, 0) if WINDOW else k_len * 0
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.full([ROWS], 0.0, dtype=tl.float32)
         acc = tl.full([ROWS, COLS], 0.0, dtype=tl.float32)
         m_i, l_i, acc = attend_paged(
             q, row_len - 1, r_slot, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             block_tables_ptr,
-            k_slot, k_row * stride_btb, tl.minimum(k_len, lo + split_size), kv_col_off, col_ok,
-            c_kvh, lo, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2, BLOCK_N, KEYS,
-            BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC)
+            k_slot, k_row * stride_btb, k_lo, tl.minimum(k_len, lo + split_size), kv_col_off,
+            col_ok, c_kvh, loop_lo, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2,
+            window, cap_log2, BLOCK_N, KEYS, BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC, WINDOW,
+            SOFTCAP)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows without keys in this split: not stored
         acc = acc / l_safe[:, None]
         if SINGLE_SPLIT:
@@ -88,8 +99,8 @@ def _token_attention_paged_kernel(
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, b_seq_len_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    num_heads, head_dim, split_size,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_heads, head_dim, split_size, window,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # Splits are merged BLOCK_S at a time with a running max (as online softmax does), so a
     # 128k context (256 splits) keeps a [BLOCK_H, BLOCK_S, BLOCK_D] tile in registers instead
@@ -99,12 +110,13 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     seq_len = tl.load(b_seq_len_ptr + b)
     num_splits = tl.cdiv(seq_len, split_size)
+    first = tl.maximum(seq_len - window, 0) // split_size if WINDOW else 0  # (earlier: skipped)
     h_ok = offs_h < num_heads
     d_ok = offs_d < head_dim
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
+    for s0 in range(first, num_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
         s_ok = offs_s < num_splits
         lse = tl.load(part_lse_ptr + b * stride_lb + offs_h[:, None] * stride_lh + offs_s[None, :],
@@ -142,9 +154,11 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           split_size: int | None = None, block_n: int | None = None,
                           table_rows: torch.Tensor | None = None,
                           k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, Hq, Dh] -> out: [B, Hq, Dh]. ``max_seq_len`` (host int) sizes the split grid."""
-    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale)
+                          v_scale: torch.Tensor | None = None, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
+    """q: [B, Hq, Dh] -> out: [B, Hq, Dh]. ``max_seq_len`` (host int) sizes the split grid;
+    ``window`` and ``softcap`` as in context_attention_paged."""
+    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale, window, softcap)
     B = q.shape[0]
     check(seq_lens.shape == (B,), "seq_lens must be [B]")
     check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
@@ -174,17 +188,18 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         table_rows if table_rows is not None else seq_lens, seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
         *hp.scale_strides, block_tables.stride(0), *p_strides, *l_strides,
-        hp.sm_scale_log2, B, hp.num_kv_heads, hp.head_dim, split_size,
+        hp.sm_scale_log2, B, hp.num_kv_heads, hp.head_dim, split_size, hp.window, hp.cap_log2,
         GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
         SEQ_SLOTS=slots, ROWS=rows,
         BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, QUANT=hp.quantized,
         SINGLE_SPLIT=single,
         HAS_ROWS=table_rows is not None,
-        DOT_PREC=dot_precision(q.dtype), num_warps=4)
+        DOT_PREC=dot_precision(q.dtype), **hp.flags, num_warps=4)
     if not single:
         block_h = next_pow2(hp.num_heads) if INTERPRET else 1
         launch(_merge_splits_kernel, (B, cdiv(hp.num_heads, block_h)),
             part_out, part_lse, out, seq_lens, *p_strides, *l_strides,
-            out.stride(0), out.stride(1), hp.num_heads, hp.head_dim, split_size,
-            BLOCK_H=block_h, BLOCK_S=MERGE_SPLITS, BLOCK_D=next_pow2(hp.head_dim))
+            out.stride(0), out.stride(1), hp.num_heads, hp.head_dim, split_size, hp.window,
+            BLOCK_H=block_h, BLOCK_S=MERGE_SPLITS, BLOCK_D=next_pow2(hp.head_dim),
+            WINDOW=hp.flags["WINDOW"])
     return out

@@ -9,7 +9,8 @@ cached prefix, so every key is read from the paged cache:
 
     out[t, h] = softmax_{n <= pos(t)}(q[t, h] . k[n, h // G] * scale) @ v[n, h // G]
 
-That one rule covers plain prefill, prefix-cache hits and chunked prefill. Layouts: q, out
+That one rule covers plain prefill, prefix-cache hits and chunked prefill; a sliding window
+adds n > pos(t) - window, and soft-capping caps the scores (attention_common.py). Layouts: q, out
 [T, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables [B, max_blocks] int32 (or
 [R, max_blocks] with ``table_rows`` [B] naming each sequence's row); seq_lens [B]; q_start
 [B + 1] (exclusive prefix sums of q_len). An int8 cache comes with k_scale / v_scale
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout
+from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout, window_start
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch
 
 
@@ -33,10 +34,11 @@ def _context_attention_paged_kernel(
     b_q_start_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_sb, stride_ss, stride_btb,
-    sm_scale_log2, num_kv_heads, head_dim,
+    sm_scale_log2, num_kv_heads, head_dim, window, cap_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -63,6 +65,9 @@ def _context_attention_paged_kernel(
         acc = tl.full([ROWS, COLS], 0.0, dtype=tl.float32)
         hi = tl.minimum(seq_len, ctx_len + (pid_m + 1) * BLOCK_M)
         zero_k = tl.full([BLOCK_N], 0, dtype=tl.int64)
+        k_lo, lo = 0, 0
+        if WINDOW:  # (the tile's first query sees the earliest keys)
+            k_lo, lo = window_start(ctx_len + pid_m * BLOCK_M, window, BLOCK_N)
         if HAS_ROWS:  # sequence b's blocks are row table_rows[b] of a persistent table
             table_row = tl.load(table_rows_ptr + b).to(tl.int64)
         else:
@@ -70,9 +75,10 @@ def _context_attention_paged_kernel(
         m_i, l_i, acc = attend_paged(
             q, q_pos, r_tok * 0, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
             block_tables_ptr,
-            zero_k, zero_k + table_row * stride_btb, zero_k + seq_len, kv_col_off, col_ok,
-            c_kvh, 0, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2, BLOCK_N,
-            BLOCK_N, BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC)
+            zero_k, zero_k + table_row * stride_btb, zero_k + k_lo, zero_k + seq_len, kv_col_off,
+            col_ok, c_kvh, lo, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2,
+            window, cap_log2, BLOCK_N, BLOCK_N, BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC,
+            WINDOW, SOFTCAP)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + m_idx)[:, None] * stride_ot + q_head[:, None] * stride_oh + c_d[None, :]
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
@@ -85,13 +91,15 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_n: int | None = None,
                             table_rows: torch.Tensor | None = None,
                             k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, Hq, Dh] -> out: [T, Hq, Dh]. ``max_q_len`` (host int) sizes the grid.
+                            v_scale: torch.Tensor | None = None, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
+    """q: [T, Hq, Dh] -> out: [T, Hq, Dh]. ``max_q_len`` (host int) sizes the grid; ``window``:
+    a sliding window (keys within ``window`` of the query); ``softcap``: score soft-capping.
 
     Tile sizes depend only on the model, never on the batch, so a row's numbers do not change
     with what else is batched with it (greedy outputs are batch invariant).
     """
-    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale)
+    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale, window, softcap)
     B = seq_lens.shape[0]
     check(q_start.shape == (B + 1,), "q_start must be [B + 1]")
     check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
@@ -116,7 +124,8 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         table_rows if table_rows is not None else seq_lens, seq_lens, q_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
         *hp.scale_strides, block_tables.stride(0), hp.sm_scale_log2, hp.num_kv_heads, hp.head_dim,
+        hp.window, hp.cap_log2,
         GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, QUANT=hp.quantized,
-        HAS_ROWS=table_rows is not None, DOT_PREC=dot_precision(q.dtype), num_warps=4)
+        HAS_ROWS=table_rows is not None, DOT_PREC=dot_precision(q.dtype), **hp.flags, num_warps=4)
     return out

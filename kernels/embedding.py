@@ -4,6 +4,10 @@ Used for the token embedding and to pick the last hidden state of each sequence 
 head. Ids outside ``[0, V)`` are masked (the row comes out as zeros): the interpreter does no
 bounds checking, and callers validate token ids where they enter the server.
 
+``scale`` multiplies every row (Gemma scales its embeddings by sqrt(hidden_size)): the
+product is taken in fp32 and rounded once, which for a scale already rounded to the table's
+dtype (as transformers rounds it) equals the product in that dtype.
+
 Layouts: ids [T] int32/int64; table [V, D] (unit column stride); out [T, D].
 """
 
@@ -20,8 +24,8 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, empty, launch, next_
 def _gather_rows_kernel(
     ids_ptr, table_ptr, out_ptr,
     stride_tv, stride_ot,
-    T, V, D,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    T, V, D, scale,
+    SCALED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -33,12 +37,15 @@ def _gather_rows_kernel(
     mask_d = offs_d < D
     rows = tl.load(table_ptr + ids[:, None] * stride_tv + offs_d[None, :],
                    mask=valid[:, None] & mask_d[None, :], other=0.0)
+    if SCALED:
+        rows = (rows.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_d[None, :], rows,
              mask=mask_t[:, None] & mask_d[None, :])
 
 
-def gather_rows(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """ids: [T] int; table: [V, D] -> out: [T, D] in table's dtype."""
+def gather_rows(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None,
+                scale: float | None = None) -> torch.Tensor:
+    """ids: [T] int; table: [V, D] -> out: [T, D] in table's dtype (rows times ``scale``)."""
     check(ids.dim() == 1, f"ids must be 1-D, got shape {tuple(ids.shape)}")
     check(table.dim() == 2 and table.stride(1) == 1, "table must be [V, D] with unit column stride")
     T, (V, D) = ids.shape[0], table.shape
@@ -52,5 +59,6 @@ def gather_rows(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None
     block_d = min(next_pow2(D), 4096 if INTERPRET else 1024)
     grid = (cdiv(T, block_t), cdiv(D, block_d))
     launch(_gather_rows_kernel, grid, ids, table, out, table.stride(0), out.stride(0), T, V, D,
-                              BLOCK_T=block_t, BLOCK_D=block_d)
+           1.0 if scale is None else scale, SCALED=scale is not None, BLOCK_T=block_t,
+           BLOCK_D=block_d)
     return out

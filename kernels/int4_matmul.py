@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.matmul import _split_k_sum_kernel, split_plan, tile_offsets
+from tinyserve.kernels.matmul import check_epilogue, epilogue, split_plan, sum_split_k, tile_offsets
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
@@ -86,13 +86,14 @@ def _k_chunk(x_ptr, q_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n, k_lo, k
 
 @triton.jit
 def _int4_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr,
+    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, softcap,
     M, N, K, K_pad, k_split,
     stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn, stride_zg,
     stride_om, stride_on, stride_os,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    SPLIT_GRID: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT_GRID: tl.constexpr, DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # K: x's columns (the mask); K_pad: qweight's, whole groups (the loop bound).
     # (grouped order, as in matmul.py: GROUP_M row tiles share weight tiles in L2)
@@ -120,6 +121,7 @@ def _int4_matmul_kernel(
                             c * k_split, tl.minimum(K_pad, (c + 1) * k_split), stride_xm,
                             stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_zn,
                             stride_zg, K, GROUP, HAS_ZEROS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+        acc = epilogue(acc, bias_ptr, offs_n, mask_n, softcap, HAS_BIAS, SOFTCAP)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -140,11 +142,12 @@ def _tiles(N: int, K: int, group_size: int, dtype: torch.dtype) -> tuple[int, in
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 zeros: torch.Tensor | None = None, group_size: int = 128, *,
                 out: torch.Tensor | None = None, split_k: int | None = None,
-                split_grid: bool | None = None) -> torch.Tensor:
+                split_grid: bool | None = None, bias: torch.Tensor | None = None,
+                softcap: float | None = None) -> torch.Tensor:
     """x: [M, K] float, qweight: [N, K_pad // 8] int32, scales / zeros: [N, K_pad // group_size]
     with K_pad = ceil(K / group_size) * group_size -> out: [M, N] = x @ W.T (layout and formula:
-    module docstring). ``split_k`` and ``split_grid`` as in ``matmul``: chosen per (N, K) by
-    default, never by M."""
+    module docstring), + bias [N] and soft-capped as ``matmul`` does. ``split_k`` and
+    ``split_grid`` as in ``matmul``: chosen per (N, K) by default, never by M."""
     check(x.dim() == 2 and qweight.dim() == 2, "x must be [M, K] and qweight [N, K_pad // 8]")
     check(x.dtype in (torch.float16, torch.bfloat16, torch.float32),
           f"x must be fp16, bf16 or fp32, got {x.dtype}")
@@ -170,6 +173,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         check(zeros.dtype != torch.bool and not zeros.is_complex(), f"bad zeros dtype {zeros.dtype}")
     check(all(t.device == x.device for t in (qweight, scales, zeros) if t is not None),
           "x, qweight, scales and zeros must be on the same device")
+    check_epilogue(bias, softcap, N, x.device)
     if out is None:
         out = empty((M, N), x.dtype, x.device)
     check(out.shape == (M, N) and out.dtype.is_floating_point, f"out must be a float [{M}, {N}]")
@@ -187,19 +191,16 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         t_strides = (target.stride(0), target.stride(2), target.stride(1))
     z = scales if zeros is None else zeros  # (never read without zeros)
     launch(_int4_matmul_kernel, grid,
-           x, qweight, scales, z, target, M, N, K, K_pad, k_split,
+           x, qweight, scales, z, scales if bias is None else bias, target, softcap or 0.0,
+           M, N, K, K_pad, k_split,
            x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
            scales.stride(0), scales.stride(1), z.stride(0), z.stride(1), *t_strides,
            GROUP=group_size, HAS_ZEROS=zeros is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
            GROUP_M=group_m, SPLIT_K=split_k, SPLIT_GRID=split_grid,
-           DOT_PREC=dot_precision(x.dtype), num_warps=8 if split_k > 1 else 4, num_stages=3)
+           DOT_PREC=dot_precision(x.dtype), HAS_BIAS=bias is not None,
+           SOFTCAP=softcap is not None, num_warps=8 if split_k > 1 else 4, num_stages=3)
     if split_grid:
-        block_m = min(64, next_pow2(M)) if INTERPRET else 16
-        block_n = min(1024 if INTERPRET else 128, next_pow2(N))
-        launch(_split_k_sum_kernel, (cdiv(M, block_m), cdiv(N, block_n)),
-               target, target, out, M, N, target.stride(0), target.stride(1),
-               out.stride(0), out.stride(1), W_INT8=False, SPLIT_K=split_k,
-               BLOCK_M=block_m, BLOCK_N=block_n)
+        sum_split_k(target, None, bias, softcap, out)
     return out
 
 

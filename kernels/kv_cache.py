@@ -29,18 +29,25 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, launch, next_pow2
 
 
 @triton.jit
-def quantize_kv(x1, x2):
-    """Two halves [BLOCK_T, BLOCK_H, HALF] of each (token, head) vector -> their int8 codes and
-    the fp16 scale [BLOCK_T, BLOCK_H] (as fp16). Padding lanes must hold 0 (they do not raise
-    the max). An all-zero vector gets scale 0 and codes 0."""
+def quantize_kv(x1, x2, x3, HAS_REST: tl.constexpr = False):
+    """Parts [BLOCK_T, BLOCK_H, *] of each (token, head) vector (two halves, and with HAS_REST
+    a third: the dims past a partial rotary) -> their int8 codes and the fp16 scale
+    [BLOCK_T, BLOCK_H] (as fp16). Padding lanes must hold 0 (they do not raise the max). An
+    all-zero vector gets scale 0 and codes 0. Without HAS_REST, x3 is ignored (c3 is c1)."""
     amax = tl.maximum(tl.max(tl.abs(x1), axis=2), tl.max(tl.abs(x2), axis=2))
+    if HAS_REST:
+        amax = tl.maximum(amax, tl.max(tl.abs(x3), axis=2))
     # (capped at fp16's largest: a vector beyond 127 * 65504 clips instead of becoming NaN)
     scale = tl.minimum(amax / 127.0, 65504.0).to(tl.float16)
     s = scale.to(tl.float32)
     inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)[:, :, None]
     c1 = _round_clamp(x1 * inv)
     c2 = _round_clamp(x2 * inv)
-    return c1, c2, scale
+    if HAS_REST:
+        c3 = _round_clamp(x3 * inv)
+    else:
+        c3 = c1
+    return c1, c2, c3, scale
 
 
 @triton.jit
@@ -79,7 +86,7 @@ def _write_kv_int8_kernel(
 def _quantize_into(x_ptrs, code_ptrs, scale_ptrs, mask, th_ok, half):
     x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-    c1, c2, scale = quantize_kv(x1, x2)
+    c1, c2, _, scale = quantize_kv(x1, x2, x1)
     tl.store(code_ptrs, c1, mask=mask)
     tl.store(code_ptrs + half, c2, mask=mask)
     tl.store(scale_ptrs, scale, mask=th_ok)

@@ -8,6 +8,10 @@ Two weight formats share one kernel:
   K-sum:  out[m, n] = scale[n] * sum_k a[m, k] * w_q[n, k].  The fp weight never exists in
   memory, so decode (memory-bound on weight bytes) reads half (vs fp16) or a quarter (vs fp32).
 
+The epilogue, on the fp32 accumulator before the one rounding to the output dtype, adds an
+optional bias [N] (Qwen2's q/k/v projections) and soft-caps (Gemma 2's final logits:
+``cap * tanh(y / cap)``), so neither costs a pass over the output.
+
 Cost: 2*M*N*K FLOPs; bytes ~ M*K*a + N*K*w (+ 4N scales) + M*N*out.
 Tile sizes depend on (N, K) only, never on M: a row's result is the same whatever the batch.
 """
@@ -20,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.jitmath import softcap as cap_logits
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
@@ -42,6 +47,17 @@ def _k_chunk(a_ptr, w_ptr, offs_m, offs_n, mask_m, mask_n, k_lo, k_hi,
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def epilogue(acc, bias_ptr, offs_n, mask_n, softcap, HAS_BIAS: tl.constexpr,
+             SOFTCAP: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 (scaled) -> + bias[n], then cap * tanh(acc / cap)."""
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if SOFTCAP:
+        acc = cap_logits(acc, softcap)
     return acc
 
 
@@ -71,12 +87,12 @@ def tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, w_ptr, scale_ptr, out_ptr,
-    M, N, K, k_split,
+    a_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K, k_split, softcap,
     stride_am, stride_ak, stride_wn, stride_wk, stride_om, stride_on, stride_os,
     W_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_GRID: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -103,25 +119,51 @@ def _matmul_kernel(
                             stride_wk, W_INT8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
         if W_INT8:
             acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc = epilogue(acc, bias_ptr, offs_n, mask_n, softcap, HAS_BIAS, SOFTCAP)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _split_k_sum_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_pm, stride_ps,
-                        stride_om, stride_on, W_INT8: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_k_sum_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N, softcap, stride_pm,
+                        stride_ps, stride_om, stride_on, W_INT8: tl.constexpr,
+                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    mask_n = offs_n < N
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
     ptrs = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum whatever the batch
         acc += tl.load(ptrs + s * stride_ps, mask=mask, other=0.0)
     if W_INT8:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    acc = epilogue(acc, bias_ptr, offs_n, mask_n, softcap, HAS_BIAS, SOFTCAP)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def check_epilogue(bias: torch.Tensor | None, softcap: float | None, N: int,
+                   device: torch.device) -> None:
+    if bias is not None:
+        check(bias.shape == (N,) and bias.stride(0) == 1 and bias.device == device
+              and bias.dtype.is_floating_point, f"bias must be a contiguous float [{N}]")
+    check(softcap is None or softcap > 0, f"softcap must be > 0, got {softcap}")
+
+
+def sum_split_k(partials: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                softcap: float | None, out: torch.Tensor) -> None:
+    """The split-K partials [M, split_k, N] fp32, summed in order, scaled, epilogue, into out."""
+    M, split_k, N = partials.shape
+    block_m = min(64, next_pow2(M)) if INTERPRET else 16
+    block_n = min(1024 if INTERPRET else 128, next_pow2(N))
+    launch(_split_k_sum_kernel, (cdiv(M, block_m), cdiv(N, block_n)),
+           partials, partials if scale is None else scale,
+           partials if bias is None else bias, out, M, N, softcap or 0.0,
+           partials.stride(0), partials.stride(1), out.stride(0), out.stride(1),
+           W_INT8=scale is not None, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n,
+           HAS_BIAS=bias is not None, SOFTCAP=softcap is not None)
 
 
 def _tiles(N: int, K: int, dtype: torch.dtype, w_int8: bool) -> tuple[int, int, int, int]:
@@ -166,12 +208,14 @@ def split_k_for(N: int, K: int, bn: int, bk: int, num_sms: int) -> int:
 
 def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
             out: torch.Tensor | None, split_k: int | None = None,
-            split_grid: bool | None = None) -> torch.Tensor:
+            split_grid: bool | None = None, bias: torch.Tensor | None = None,
+            softcap: float | None = None) -> torch.Tensor:
     check(a.dim() == 2 and w.dim() == 2, "a must be [M, K] and w [N, K]")
     M, K = a.shape
     N = w.shape[0]
     check(w.shape[1] == K, f"inner sizes differ: a is [{M}, {K}], w is {list(w.shape)}")
     check(a.device == w.device, "a and w must be on the same device")
+    check_epilogue(bias, softcap, N, a.device)
     if out is None:
         out = empty((M, N), a.dtype, a.device)
     check(out.shape == (M, N), f"out must be [{M}, {N}]")
@@ -188,39 +232,39 @@ def _launch(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         target = empty((M, split_k, N), torch.float32, a.device)
         t_strides = (target.stride(0), target.stride(2), target.stride(1))
     launch(_matmul_kernel, grid,
-        a, w, scale if w_int8 else w, target, M, N, K, k_split,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), *t_strides,
+        a, w, scale if w_int8 else w, w if bias is None else bias, target, M, N, K, k_split,
+        softcap or 0.0, a.stride(0), a.stride(1), w.stride(0), w.stride(1), *t_strides,
         W_INT8=w_int8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, SPLIT_K=split_k,
-        SPLIT_GRID=split_grid, DOT_PREC=dot_precision(a.dtype),
+        SPLIT_GRID=split_grid, DOT_PREC=dot_precision(a.dtype), HAS_BIAS=bias is not None,
+        SOFTCAP=softcap is not None,
         # chunks in one program hold two accumulators: 8 warps keep them in registers; the
         # same 8 when they are separate programs, so both run the same MMA shapes (bit-equal)
         num_warps=8 if split_k > 1 else 4, num_stages=3)
     if split_grid:
-        block_m = min(64, next_pow2(M)) if INTERPRET else 16
-        block_n = min(1024 if INTERPRET else 128, next_pow2(N))
-        launch(_split_k_sum_kernel, (cdiv(M, block_m), cdiv(N, block_n)),
-               target, scale if w_int8 else target, out, M, N, target.stride(0),
-               target.stride(1), out.stride(0), out.stride(1), W_INT8=w_int8, SPLIT_K=split_k,
-               BLOCK_M=block_m, BLOCK_N=block_n)
+        sum_split_k(target, scale, bias, softcap, out)
     return out
 
 
 def matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-           split_k: int | None = None, split_grid: bool | None = None) -> torch.Tensor:
-    """a: [M, K], w: [N, K] (same float dtype) -> out: [M, N] = a @ w.T.
+           split_k: int | None = None, split_grid: bool | None = None,
+           bias: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """a: [M, K], w: [N, K] (same float dtype) -> out: [M, N] = a @ w.T (+ bias [N]; then
+    ``softcap * tanh(out / softcap)`` when given).
 
     ``split_k``: K chunks (default: chosen per (N, K) on a GPU, 1 on the CPU); ``split_grid``:
     the chunks in separate programs (default: on the CPU, or while tiles leave SMs idle) or
     one after another in each program - the same numbers either way."""
     check(a.dtype == w.dtype and a.dtype.is_floating_point, "a and w must share a float dtype")
-    return _launch(a, w, None, out, split_k, split_grid)
+    return _launch(a, w, None, out, split_k, split_grid, bias, softcap)
 
 
 def int8_matmul(a: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor,
                 out: torch.Tensor | None = None, split_k: int | None = None,
-                split_grid: bool | None = None) -> torch.Tensor:
-    """a: [M, K] float, w_q: [N, K] int8, scale: [N] fp32 -> out: [M, N] = a @ (w_q * scale).T."""
+                split_grid: bool | None = None, bias: torch.Tensor | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+    """a: [M, K] float, w_q: [N, K] int8, scale: [N] fp32 -> out: [M, N] = a @ (w_q * scale).T
+    (+ bias, soft-cap as in ``matmul``)."""
     check(w_q.dtype == torch.int8, f"w_q must be int8, got {w_q.dtype}")
     check(a.dtype.is_floating_point, "a must be a float tensor")
     check(scale.shape == (w_q.shape[0],), "scale must be [N] (one per output channel)")
-    return _launch(a, w_q, scale, out, split_k, split_grid)
+    return _launch(a, w_q, scale, out, split_k, split_grid, bias, softcap)

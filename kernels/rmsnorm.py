@@ -4,8 +4,9 @@
     out = weight * (r / sqrt(mean(r^2) + eps))
 
 Statistics in fp32; the normalized value is rounded to the model dtype before the weight
-multiply, as transformers' LlamaRMSNorm does. Layouts: x, residual, out [T, D] (unit column
-stride); weight [D].
+multiply, as transformers' LlamaRMSNorm does. ``unit_offset`` (Gemma): the weight is stored as
+w - 1, so out = (r / rms) * (1 + w), multiplied in fp32 and rounded once, as Gemma2RMSNorm does.
+Layouts: x, residual, out [T, D] (unit column stride); weight [D].
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     stride_xt, stride_rt, stride_ot,
     T, D, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -35,17 +37,23 @@ def _add_rmsnorm_kernel(
         r = r + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_ptrs, r.to(res_ptr.dtype.element_ty), mask=mask)
     rstd = tl.rsqrt(tl.sum(r * r, axis=1) / D + eps)
-    normed = (r * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = r * rstd[:, None]
     w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = 1.0 + w
+    else:
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_d[None, :],
              (normed * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                unit_offset: bool = False) -> torch.Tensor:
     """x: [T, D]; weight: [D]; residual: [T, D] or None (updated in place to x + residual).
 
-    Returns out: [T, D], the normalized (x + residual).
+    Returns out: [T, D], the normalized (x + residual), times weight (``unit_offset``: times
+    1 + weight, Gemma's convention).
     """
     check(x.dim() == 2 and x.stride(1) == 1, "x must be [T, D] with unit column stride")
     T, D = x.shape
@@ -63,6 +71,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res = residual if residual is not None else x
     launch(_add_rmsnorm_kernel, (cdiv(T, block_t),),
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), T, D, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+        HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK_T=block_t,
+        BLOCK_D=block_d,
         num_warps=4 if block_d <= 4096 else 8)
     return out

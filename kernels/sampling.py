@@ -253,11 +253,16 @@ def _target_logprob_kernel(
     tl.store(rank_ptr + offs_b, above + 1, mask=b_ok)
 
 
-def _tiles(B: int, V: int) -> tuple[int, int, tuple[int]]:
+MAX_TILE = 1 << 20  # elements in one Triton tensor
+
+
+def _tiles(B: int, V: int, fan: int = 1) -> tuple[int, int, tuple[int]]:
     """Rows per program and vocabulary chunk: one row per program on a GPU (a row's passes
-    are long), many under the interpreter (its cost is per program)."""
-    block_b = min(256, next_pow2(B)) if INTERPRET else 1
+    are long), many under the interpreter (its cost is per program). ``fan``: the widest
+    tensor is [rows, fan, chunk] (the bisection's 16 cut points); Triton caps a tensor at
+    2^20 elements, so 65,536-wide chunks go 16 rows at a time, or one with the cut points."""
     block_v = min(next_pow2(V), 65536 if INTERPRET else 2048)
+    block_b = max(1, min(256, next_pow2(B), MAX_TILE // (fan * block_v))) if INTERPRET else 1
     return block_b, block_v, (cdiv(B, block_b),)
 
 
@@ -329,7 +334,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logprobs = empty((B,), torch.float32, logits.device)
     if B == 0:
         return tokens, logprobs, None, None
-    block_b, block_v, grid = _tiles(B, V)
+    bisect = not all_greedy and (any_top_k or any_top_p)
+    block_b, block_v, grid = _tiles(B, V, 16 if bisect else 1)
     proc = logits if processed is None else processed
     mask = tokens if allowed is None else allowed  # (any tensor: never read without HAS_MASK)
     launch(_sample_kernel, grid,

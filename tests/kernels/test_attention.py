@@ -198,3 +198,114 @@ def test_decode_merges_more_splits_than_one_merge_tile(device):
     for b, n in enumerate(lens):
         ref = ref_attention(q[b : b + 1], *dense[b], torch.tensor([n - 1], device=device))
         torch.testing.assert_close(out[b : b + 1], ref, atol=2e-5, rtol=1e-4)
+
+
+def ref_attention_ext(q, k, v, q_pos, window=None, softcap=None, scale=None):
+    """ref_attention with transformers' sliding-window mask (p - window < n <= p), Gemma 2's
+    soft-capped scores and an explicit scale (query_pre_attn_scalar ** -0.5)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = torch.einsum("qhd,nhd->hqn", q.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    n = torch.arange(k.shape[0], device=q.device)[None, :]
+    keep = n <= q_pos[:, None]
+    if window is not None:
+        keep = keep & (n > q_pos[:, None] - window)
+    scores = scores.masked_fill(~keep[None], float("-inf"))
+    return torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
+
+
+WINDOW_CASES = [
+    # (q_lens, ctx_lens, Hq, Hk, Dh, block_size, window, softcap, scale)
+    ([5], [40], 8, 4, 8, 16, 7, None, None),              # window shorter than the chunk's context
+    ([70, 3], [90, 0], 6, 2, 64, 16, 33, 50.0, 0.2),      # GQA 3, both, an odd window
+    ([17], [0], 4, 4, 256, 16, 16, None, None),           # head_dim 256 (Gemma), window = a block
+    ([1, 40], [300, 5], 8, 8, 24, 8, 100, 5.0, None),     # GQA 1, a low cap that bites
+]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("q_lens,ctx_lens,Hq,Hk,Dh,block_size,window,softcap,scale", WINDOW_CASES)
+def test_context_attention_with_window_softcap_and_scale(device, dtype, atol, rtol, q_lens, ctx_lens,
+                                                         Hq, Hk, Dh, block_size, window, softcap,
+                                                         scale):
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, Hk, Dh, block_size, dtype, device,
+                                                 seed=sum(seq_lens) + window)
+    dense = [(k.clone(), v.clone()) for k, v in dense]
+    first_q = [c for c in ctx_lens]
+    for b, c in enumerate(first_q):  # blocks before the earliest query's window: poisoned
+        for i in range(max(0, c - window + 1) // block_size):
+            k_cache[int(tables[b, i])] = float("nan")
+            v_cache[int(tables[b, i])] = float("nan")
+    T = sum(q_lens)
+    q = torch.randn(T, Hq, Dh, generator=torch.Generator().manual_seed(T + 1)).to(device, dtype)
+    q_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                           device=device)
+    out = context_attention_paged(q, k_cache, v_cache, tables,
+                                  torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                  q_start, max(q_lens), sm_scale=scale, window=window,
+                                  softcap=softcap)
+    for b, (ql, n) in enumerate(zip(q_lens, seq_lens)):
+        s = int(q_start[b])
+        pos = torch.arange(n - ql, n, device=device)
+        ref = ref_attention_ext(q[s:s + ql], *dense[b], pos, window, softcap, scale)
+        torch.testing.assert_close(out[s:s + ql].float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("seq_lens,Hq,Hk,Dh,block_size,window,softcap", [
+    ([45], 8, 4, 8, 16, 7, None),
+    ([1, 16, 100, 250], 6, 2, 64, 16, 33, 50.0),
+    ([300, 20], 4, 4, 256, 8, 64, 5.0),
+])
+@pytest.mark.parametrize("split", [None, (32, 16)])
+def test_token_attention_with_window_and_softcap(device, dtype, atol, rtol, seq_lens, Hq, Hk, Dh,
+                                                 block_size, window, softcap, split):
+    """Split-KV decode: splits wholly before a window are skipped in both stages (their
+    partials are never written nor merged); out-of-window blocks are never read."""
+    split_size, block_n = split or (None, None)
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, Hk, Dh, block_size, dtype, device,
+                                                 seed=sum(seq_lens) + window)
+    dense = [(k.clone(), v.clone()) for k, v in dense]
+    for b, n in enumerate(seq_lens):
+        for i in range(max(0, n - window) // block_size):
+            k_cache[int(tables[b, i])] = float("nan")
+            v_cache[int(tables[b, i])] = float("nan")
+    B = len(seq_lens)
+    q = torch.randn(B, Hq, Dh, generator=torch.Generator().manual_seed(B + 7)).to(device, dtype)
+    out = token_attention_paged(q, k_cache, v_cache, tables,
+                                torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                max(seq_lens), split_size=split_size, block_n=block_n,
+                                window=window, softcap=softcap)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention_ext(q[b:b + 1], *dense[b], torch.tensor([n - 1], device=device),
+                                window, softcap)
+        torch.testing.assert_close(out[b:b + 1].float(), ref, atol=atol, rtol=rtol)
+
+
+def test_windowed_rows_are_batch_invariant(device):
+    """A window moves where each program's tile loop starts; a row's numbers must not move."""
+    k_cache, v_cache, tables, _ = make_paged([30, 200], 4, 8, 16, torch.float32, device, seed=8)
+    q = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(9)).to(device)
+    lens = torch.tensor([30, 200], device=device)
+    both = token_attention_paged(q, k_cache, v_cache, tables, lens, 200, split_size=64,
+                                 block_n=16, window=40)
+    for b in range(2):
+        alone = token_attention_paged(q[b:b + 1], k_cache, v_cache, tables[b:b + 1],
+                                      lens[b:b + 1], int(lens[b]), split_size=64, block_n=16,
+                                      window=40)
+        assert torch.equal(both[b], alone[0])
+    n = 77
+    qp = torch.randn(n, 8, 8, generator=torch.Generator().manual_seed(2)).to(device)
+    kc, vc, tb, _ = make_paged([n], 4, 8, 16, torch.float32, device, seed=3)
+    whole = context_attention_paged(qp, kc, vc, tb, torch.tensor([n], device=device),
+                                    torch.tensor([0, n], device=device), n, window=20)
+    for lo, hi in [(0, 20), (20, 21), (21, 77)]:
+        part = context_attention_paged(qp[lo:hi], kc, vc, tb, torch.tensor([hi], device=device),
+                                       torch.tensor([0, hi - lo], device=device), hi - lo,
+                                       window=20)
+        assert torch.equal(part, whole[lo:hi])

@@ -56,6 +56,35 @@ def test_add_rmsnorm_strided_input(device):
     torch.testing.assert_close(add_rmsnorm(x, w, 1e-6), _ref_rmsnorm(x, w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("T,D", [(1, 64), (67, 100), (5, 3072)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm_with_unit_offset_as_gemma(device, dtype, atol, rtol, T, D, with_residual):
+    """Gemma2RMSNorm: (x / rms(x)) * (1 + w) in fp32, rounded once (not Llama's round-then-
+    multiply)."""
+    g = torch.Generator().manual_seed(T * 3 + D)
+    x = torch.randn(T, D, generator=g).to(device, dtype)
+    w = (0.3 * torch.randn(D, generator=g)).to(device, dtype)
+    res = torch.randn(T, D, generator=g).to(device, dtype) if with_residual else None
+    h = x if res is None else (x.float() + res.float()).to(dtype)
+    hf = h.float()
+    ref = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(dtype)
+    torch.testing.assert_close(add_rmsnorm(x, w, 1e-6, residual=res, unit_offset=True), ref,
+                               atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("T,V,D", [(1, 7, 3), (37, 513, 72)])
+def test_gather_rows_scaled_as_gemma_embeds(device, dtype, atol, rtol, T, V, D):
+    """Rows times sqrt(hidden), the scale rounded to the table's dtype first (transformers)."""
+    g = torch.Generator().manual_seed(T + V)
+    table = torch.randn(V, D, generator=g).to(device, dtype)
+    ids = torch.randint(0, V, (T,), generator=g).to(device)
+    scale = float(torch.tensor(D ** 0.5, dtype=dtype))
+    ref = table[ids] * torch.tensor(scale, dtype=dtype, device=device)
+    torch.testing.assert_close(gather_rows(ids, table, scale=scale), ref, atol=0, rtol=0)
+
+
 def _ref_rotary(x, pos, cos, sin):
     half = x.shape[-1] // 2
     c, s = cos[pos][:, None, :].float(), sin[pos][:, None, :].float()
@@ -90,6 +119,16 @@ def test_silu_and_mul(device, dtype, atol, rtol, T, I):
     x = torch.randn(T, 2 * I, generator=g).to(device, dtype)
     ref = (torch.nn.functional.silu(x[:, :I].float()) * x[:, I:].float()).to(dtype)
     torch.testing.assert_close(silu_and_mul(x), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 172), (45, 13), (129, 300)])
+def test_gelu_tanh_and_mul_as_geglu(device, dtype, atol, rtol, T, I):
+    g = torch.Generator().manual_seed(T * I)
+    x = (3 * torch.randn(T, 2 * I, generator=g)).to(device, dtype)  # both tails of tanh
+    gelu = torch.nn.functional.gelu(x[:, :I].float(), approximate="tanh")
+    ref = (gelu * x[:, I:].float()).to(dtype)
+    torch.testing.assert_close(silu_and_mul(x, activation="gelu_tanh"), ref, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -138,7 +177,8 @@ def test_rotary_on_fused_qkv_is_one_launch_even_for_one_token(device, monkeypatc
 
     launches = []
     real = rotary._launch
-    monkeypatch.setattr(rotary, "_launch", lambda *a: (launches.append(a[-1]), real(*a)))
+    # (_launch's fifth argument: the heads one launch rotates)
+    monkeypatch.setattr(rotary, "_launch", lambda *a: (launches.append(a[4]), real(*a)))
     Hq, Hk, Dh = 4, 2, 8
     ang = torch.arange(16).float()[:, None] * torch.ones(Dh // 2)[None, :]
     cos, sin = ang.cos().to(device), ang.sin().to(device)
@@ -236,3 +276,85 @@ def test_rotary_and_kv_write_falls_back_for_separate_tensors(device):
     kc, vc = torch.zeros(1, 8, H, Dh, device=device), torch.zeros(1, 8, H, Dh, device=device)
     rotary_and_write_kv(q, k, v, pos, cos, sin, kc, vc, slots)
     assert torch.equal(q, rq) and torch.equal(kc[0, :T], rk) and torch.equal(vc[0, :T], v)
+
+
+def _ref_norm_rope(x, w, eps, unit_offset, pos, cos, sin):
+    """transformers' order: per-head RMSNorm (Qwen3RMSNorm, or Gemma's 1 + w), then rotate the
+    first 2 * cos.shape[1] dims, the rest passing through (partial rotary)."""
+    if w is not None:
+        xf = x.float()
+        n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        x = (n * (1.0 + w.float())).to(x.dtype) if unit_offset else w * n.to(x.dtype)
+    r = 2 * cos.shape[1]
+    return torch.cat([_ref_rotary(x[..., :r], pos, cos, sin), x[..., r:]], dim=-1)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("Dh,rot", [(8, 8), (48, 16), (96, 32), (256, 256), (40, 24)])
+@pytest.mark.parametrize("norm", [None, "qwen3", "gemma"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_partial_rotary_and_qk_norm(device, dtype, atol, rtol, Dh, rot, norm, fused):
+    """Phi-3's partial rotary (rotary_dim < head_dim; 40 = 24 + 16 pass-through) and Qwen3 /
+    Gemma 3's q/k norm, in the fused qkv + KV-write kernel and in apply_rotary + write."""
+    from tinyserve.kernels import rotary_and_write_kv
+    from tinyserve.kernels.rotary import QKNorm
+
+    g = torch.Generator().manual_seed(Dh * 7 + rot)
+    T, Hq, Hk, eps = 5, 6, 2, 1e-6
+    ang = torch.arange(64).float()[:, None] / (100 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device, dtype)
+    qn = None
+    if norm is not None:
+        w = (0.5 * torch.randn(2, Dh, generator=g)).to(device, dtype)
+        qn = QKNorm(w[0].contiguous(), w[1].contiguous(), eps, unit_offset=norm == "gemma")
+    pos = torch.randint(0, 64, (T,), generator=g).to(device)
+    q, k, v = (qkv[:, : Hq * Dh].view(T, Hq, Dh), qkv[:, Hq * Dh:(Hq + Hk) * Dh].view(T, Hk, Dh),
+               qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
+    wq, wk = (None, None) if qn is None else (qn.q_weight, qn.k_weight)
+    q_ref = _ref_norm_rope(q, wq, eps, norm == "gemma", pos, cos, sin)
+    k_ref = _ref_norm_rope(k, wk, eps, norm == "gemma", pos, cos, sin)
+    v_ref = v.clone()
+    if not fused:
+        q, k, v = q.clone(), k.clone(), v.clone()
+    kc = torch.zeros(4, 4, Hk, Dh, device=device, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, 0, 9, 15, -1], device=device)
+    rotary_and_write_kv(q, k, v, pos, cos, sin, kc, vc, slots, qk_norm=qn)
+    torch.testing.assert_close(q, q_ref, atol=atol, rtol=rtol)
+    flat_k, flat_v = kc.view(16, Hk, Dh), vc.view(16, Hk, Dh)
+    for t, s in enumerate(slots.tolist()[:4]):
+        torch.testing.assert_close(flat_k[s], k_ref[t], atol=atol, rtol=rtol)
+        torch.testing.assert_close(flat_v[s], v_ref[t], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("Dh,rot", [(40, 24), (64, 64)])
+def test_partial_rotary_and_qk_norm_into_an_int8_cache(device, Dh, rot):
+    """The quantizing path sees the whole head (the pass-through dims too) for its scale."""
+    from tinyserve.kernels import rotary_and_write_kv
+    from tinyserve.kernels.rotary import QKNorm
+
+    g = torch.Generator().manual_seed(Dh)
+    T, Hq, Hk = 3, 4, 2
+    ang = torch.arange(32).float()[:, None] / (100 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=g).to(device)
+    qkv[:, (Hq + Hk) * Dh - 3] = 40.0  # a k's largest value in the pass-through dims
+    w = (0.5 * torch.randn(2, Dh, generator=g)).to(device)
+    qn = QKNorm(w[0].contiguous(), w[1].contiguous(), 1e-6)
+    q, k, v = (qkv[:, : Hq * Dh].view(T, Hq, Dh), qkv[:, Hq * Dh:(Hq + Hk) * Dh].view(T, Hk, Dh),
+               qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
+    pos = torch.arange(T, device=device)
+    k_ref = _ref_norm_rope(k, qn.k_weight, 1e-6, False, pos, cos, sin)
+    v_ref = v.clone()
+    kc = torch.zeros(1, 4, Hk, Dh, dtype=torch.int8, device=device)
+    vc = torch.zeros_like(kc)
+    ks = torch.zeros(1, 4, Hk, dtype=torch.float16, device=device)
+    vs = torch.zeros_like(ks)
+    rotary_and_write_kv(q, k, v, pos, cos, sin, kc, vc, torch.arange(T, device=device), ks, vs,
+                        qk_norm=qn)
+    deq_k = kc[0, :T].float() * ks[0, :T, :, None].float()
+    deq_v = vc[0, :T].float() * vs[0, :T, :, None].float()
+    for deq, ref in ((deq_k, k_ref), (deq_v, v_ref)):
+        step = ref.abs().amax(-1, keepdim=True) / 127
+        assert ((deq - ref).abs() <= step * 0.51 + 1e-3 * step).all()

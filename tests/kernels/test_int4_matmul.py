@@ -264,3 +264,19 @@ def test_clip_search_never_increases_a_groups_error(symmetric):
 
     assert (group_err(searched) <= group_err(plain) * (1 + 1e-6) + 1e-12).all()
     assert group_err(searched).sum() < 0.98 * group_err(plain).sum()
+
+
+@pytest.mark.parametrize("split", [(None, None), (2, True), (2, False)])
+@pytest.mark.parametrize("cap", [None, 4.0])
+def test_bias_and_softcap_epilogue(device, split, cap):
+    """The epilogue matmul.py documents (+ bias, then cap * tanh(y / cap)), in every split mode,
+    K = 300 ending in a partial group."""
+    g = torch.Generator().manual_seed(11)
+    qweight, scales, z = (t.to(device) for t in random_weight(150, 300, 64, "int", torch.float32, g))
+    x = torch.randn(9, 300, generator=g).to(device)
+    bias = torch.randn(150, generator=g).to(device)
+    y = x.cpu() @ dequant_ref(qweight.cpu(), scales.cpu(), z.cpu(), 64)[:, :300].T + bias.cpu()
+    ref = y if cap is None else cap * torch.tanh(y / cap)
+    got = int4_matmul(x, qweight, scales, z, 64, bias=bias, softcap=cap, split_k=split[0],
+                      split_grid=split[1])
+    torch.testing.assert_close(got.cpu(), ref, atol=2e-4, rtol=1e-5)

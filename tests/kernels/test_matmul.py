@@ -145,3 +145,51 @@ def test_split_k_with_the_gpu_tiles_and_grouped_grid(device, monkeypatch):
                 torch.testing.assert_close(got.float(), ref_fp, **tol)
                 got = int8_matmul(x, w_q, scale, split_k=split, split_grid=grid)
                 torch.testing.assert_close(got.float(), ref_q, **tol)
+
+
+def _epilogue_ref(y: torch.Tensor, bias: torch.Tensor | None, cap: float | None) -> torch.Tensor:
+    y = y if bias is None else y + bias.float()
+    return y if cap is None else cap * torch.tanh(y / cap)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 2e-4, 1e-5),
+                                             (torch.float16, 3e-2, 3e-3)])
+@pytest.mark.parametrize("split", [(None, None), (2, True), (3, False)])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("M,N,K,cap", [(1, 67, 64, None), (9, 300, 130, 30.0), (33, 96, 96, 5.0)])
+def test_bias_and_softcap_epilogue(device, dtype, atol, rtol, split, int8, M, N, K, cap):
+    """+ bias[n] then cap * tanh(y / cap), on the fp32 accumulator, in every path: one program
+    per tile, K chunks in separate programs (summed by the split-K kernel) or in one."""
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    a = torch.randn(M, K, generator=g).to(device, dtype)
+    w = torch.randn(N, K, generator=g)
+    bias = (torch.randn(N, generator=g) * 3).to(device, dtype)
+    split_k, split_grid = split
+    if int8:
+        w_q, scale = quantize(w)
+        w_q, scale = w_q.to(device), scale.to(device)
+        ref = a.float() @ (w_q.float() * scale[:, None]).T
+        got = int8_matmul(a, w_q, scale, bias=bias, softcap=cap, split_k=split_k,
+                          split_grid=split_grid)
+    else:
+        w = w.to(device, dtype)
+        ref = a.float() @ w.float().T
+        got = matmul(a, w, bias=bias, softcap=cap, split_k=split_k, split_grid=split_grid)
+    torch.testing.assert_close(got, _epilogue_ref(ref, bias, cap).to(dtype), atol=atol, rtol=rtol)
+
+
+def test_softcap_saturates_without_overflow(device):
+    a = torch.full((2, 16), 100.0, device=device)
+    w = torch.ones(3, 16, device=device)  # y = 1600: tanh saturates, never inf or nan
+    out = matmul(a, w, softcap=30.0)
+    torch.testing.assert_close(out, torch.full((2, 3), 30.0, device=device))
+    out = matmul(-a, w, softcap=30.0, bias=torch.zeros(3, device=device))
+    torch.testing.assert_close(out, torch.full((2, 3), -30.0, device=device))
+
+
+def test_bad_bias_is_refused(device):
+    a, w = torch.randn(2, 16, device=device), torch.randn(3, 16, device=device)
+    with pytest.raises(ValueError, match="bias"):
+        matmul(a, w, bias=torch.zeros(4, device=device))
+    with pytest.raises(ValueError, match="softcap"):
+        matmul(a, w, softcap=0.0)
