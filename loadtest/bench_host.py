@@ -56,8 +56,10 @@ def _runner(max_len: int, enforce_eager: bool):
     import torch
 
     from tinyserve.engine.kv_cache import KVCacheSpec
-    from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
-    from tinyserve.engine.model import LlamaModel
+    from tinyserve.engine.loader import LayerWeights, Linear, ModelWeights
+    from tinyserve.engine.model import DecoderModel
+    from tinyserve.engine.model_config import ModelConfig
+    from tinyserve.engine.rope import rope_tables
     from tinyserve.engine.runner import ModelRunner
 
     cfg = ModelConfig(**LLAMA3_8B)
@@ -71,11 +73,11 @@ def _runner(max_len: int, enforce_eager: bool):
     layers = [LayerWeights(empty(D), Linear(empty(q + 2 * kv, D)), Linear(empty(D, q)), empty(D),
                            Linear(empty(2 * I, D)), Linear(empty(D, I)))
               for _ in range(cfg.num_layers)]
-    weights = LlamaWeights(empty(V, D), layers, empty(D), Linear(empty(V, D)))
-    cos, sin = rope_tables(cfg, max_len, "cpu")
+    weights = ModelWeights(empty(V, D), layers, empty(D), Linear(empty(V, D)))
     spec = KVCacheSpec(8, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dt)
-    return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu", max_num_seqs=64,
-                       max_model_len=max_len, enforce_eager=enforce_eager)
+    model = DecoderModel(cfg, weights, rope_tables(cfg, max_len, "cpu"))
+    return ModelRunner(model, cfg, spec, "cpu", max_num_seqs=64, max_model_len=max_len,
+                       enforce_eager=enforce_eager)
 
 
 def run(batches=(1, 64), context: int = 4096, steps: int = 20,

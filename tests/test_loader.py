@@ -7,13 +7,13 @@ import torch
 
 from tinyserve.config import EngineConfig
 from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
-from tinyserve.engine.loader import (
-    ModelLoadError,
-    load_model_config,
-    load_weights,
-    quantize_int8,
-    rope_inv_freq,
-)
+from tinyserve.engine.loader import load_weights, quantize_int8
+from tinyserve.engine.model_config import ModelLoadError, load_model_config
+from tinyserve.engine.rope import inv_freq
+
+
+def rope_inv_freq(cfg):
+    return inv_freq(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim, cfg.max_position_embeddings)[0]
 
 
 @pytest.fixture
@@ -94,8 +94,8 @@ def load_model_config_unscaled(model_dir):
 
 
 def test_unsupported_rope_type(model_dir):
-    edit_config(model_dir, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ModelLoadError, match="yarn"):
+    edit_config(model_dir, rope_scaling={"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="mrope"):
         load_model_config(model_dir)
 
 

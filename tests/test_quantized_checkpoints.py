@@ -25,12 +25,11 @@ from tinyserve.engine.demo import write_tokenizer  # noqa: E402
 from tinyserve.engine.device_engine import DeviceEngine  # noqa: E402
 from tinyserve.engine.loader import (  # noqa: E402
     Int4Linear,
-    ModelLoadError,
     checkpoint_quantization,
-    load_model_config,
     load_weights,
     quantize_int4_linear,
 )
+from tinyserve.engine.model_config import ModelLoadError, load_model_config  # noqa: E402
 from tinyserve.engine.quantized_checkpoints import parse_quantization_config, repack  # noqa: E402
 from tinyserve.kernels.int4_matmul import unpack_int4  # noqa: E402
 

@@ -368,7 +368,8 @@ def test_weight_estimate_bounds_what_loads(quantization):
     import torch
 
     from tinyserve.config import _weight_bytes
-    from tinyserve.engine.loader import load_model_config, load_weights
+    from tinyserve.engine.loader import load_weights
+    from tinyserve.engine.model_config import load_model_config
     from tinyserve.models import STORIES260K
 
     loaded = load_weights(STORIES260K, load_model_config(STORIES260K), torch.float32, "cpu",

@@ -159,7 +159,7 @@ def test_a_refused_step_still_gives_its_freed_rows_back(llms):
     runner = llms[False].engine.runner
     runner.execute(StepPlan(1, (entry(777, 0, [3], start_pos=0),)))
     assert 777 in runner.tables.rows
-    beyond = entry(778, 0, [1] * 40, start_pos=runner.model.cos.shape[0])  # past the rotary table
+    beyond = entry(778, 0, [1] * 40, start_pos=runner.model.rope.max_positions)  # past the rotary table
     with pytest.raises(ValueError, match="rotary"):
         runner.execute(StepPlan(2, (beyond,), freed=(777,)))
     assert 777 not in runner.tables.rows and 778 not in runner.tables.rows

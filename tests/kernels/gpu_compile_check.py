@@ -178,8 +178,10 @@ def exercise_llama3_8b():
 def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_int8: bool = False):
     """A ModelRunner with GPU launch configurations on CPU tensors (weights never read)."""
     from tinyserve.engine.kv_cache import KVCacheSpec
-    from tinyserve.engine.loader import LayerWeights, Linear, LlamaWeights, ModelConfig, rope_tables
-    from tinyserve.engine.model import LlamaModel
+    from tinyserve.engine.loader import LayerWeights, Linear, ModelWeights
+    from tinyserve.engine.model import DecoderModel
+    from tinyserve.engine.model_config import ModelConfig
+    from tinyserve.engine.rope import rope_tables
     from tinyserve.engine.runner import ModelRunner
 
     cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -191,12 +193,11 @@ def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_
     D, I, q, kv = 256, 512, 8 * 128, 2 * 128
     layers = [LayerWeights(e(D), Linear(e(q + 2 * kv, D)), Linear(e(D, q)), e(D),
                            Linear(e(2 * I, D)), Linear(e(D, I))) for _ in range(2)]
-    weights = LlamaWeights(e(1000, D), layers, e(D), Linear(e(1000, D)))
-    cos, sin = rope_tables(cfg, max_model_len, "cpu")
+    weights = ModelWeights(e(1000, D), layers, e(D), Linear(e(1000, D)))
     spec = KVCacheSpec(512, 16, 2, 2, 128, torch.bfloat16, kv_int8)
-    return ModelRunner(LlamaModel(cfg, weights, cos, sin), cfg, spec, "cpu",
-                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager)
+    model = DecoderModel(cfg, weights, rope_tables(cfg, max_model_len, "cpu"))
+    return ModelRunner(model, cfg, spec, "cpu", max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, enforce_eager=enforce_eager)
 
 
 def warm_up_coverage() -> int:

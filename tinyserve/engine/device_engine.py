@@ -38,6 +38,8 @@ class EngineInfo:
     weight_bytes_unquantized: int
     eos_token_ids: frozenset[int]
     random_weights: bool
+    architecture: str = "LlamaForCausalLM"
+    kv_window: int | None = None  # every layer's sliding window (blocks behind it are freed)
 
 
 def _resolve_dtype(name: str, device: str, checkpoint_dtype: str | None):
@@ -59,8 +61,10 @@ class DeviceEngine:
         t0 = time.perf_counter()
         self.device = select_device(cfg.device)
         from tinyserve.engine.kv_cache import KVCacheSpec
-        from tinyserve.engine.loader import load_model_config, load_weights, rope_tables
-        from tinyserve.engine.model import LlamaModel
+        from tinyserve.engine.loader import load_weights
+        from tinyserve.engine.model import DecoderModel
+        from tinyserve.engine.model_config import load_model_config
+        from tinyserve.engine.rope import rope_tables
         from tinyserve.engine.runner import ModelRunner
         from tinyserve.text.tokenizer import Tokenizer
 
@@ -91,9 +95,10 @@ class DeviceEngine:
             raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {cfg.block_size} tokens cannot "
                              f"hold one max_model_len={max_model_len} sequence ({min_blocks} needed)")
         spec = dataclasses.replace(one_block, num_blocks=num_blocks)
-        cos, sin = rope_tables(mcfg, max_model_len, self.device)
+
         self.model_config = mcfg
-        self.runner = ModelRunner(LlamaModel(mcfg, weights, cos, sin), mcfg, spec, self.device,
+        model = DecoderModel(mcfg, weights, rope_tables(mcfg, max_model_len, self.device))
+        self.runner = ModelRunner(model, mcfg, spec, self.device,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len,
                                   enforce_eager=cfg.enforce_eager)
         self.info = EngineInfo(
@@ -102,7 +107,9 @@ class DeviceEngine:
             vocab_size=mcfg.vocab_size, max_model_len=max_model_len,
             block_size=cfg.block_size, num_kv_blocks=num_blocks, kv_cache_bytes=spec.total_bytes,
             weight_bytes=weights.nbytes(), weight_bytes_unquantized=weights.nbytes(dtype),
-            eos_token_ids=self.tokenizer.eos_token_ids, random_weights=random_weights)
+            eos_token_ids=self.tokenizer.eos_token_ids, random_weights=random_weights,
+            architecture=mcfg.architecture,
+            kv_window=mcfg.sliding_window if mcfg.every_layer_windowed else None)
         self.grammars = _grammar_compiler(self.tokenizer, mcfg.vocab_size)
         self.runner.logits.grammars = self.grammars
         if weights.quantization:

@@ -1,17 +1,23 @@
-"""Load a Hugging Face Llama checkpoint: config, safetensors weights, optional int8 / int4.
+"""Load a checkpoint's safetensors weights into one layer layout for every family, optionally
+quantized (int8 / int4). The config side is model_config.py.
 
 Weights are fused at load time for fewer launches: q/k/v into one [(Hq + 2Hk) * Dh, D]
-projection and gate/up into one [2I, D] projection. Quantization is weight-only, for every
-linear layer except the embedding and the LM head: int8 symmetric per output channel, or int4
-in groups of 128 along K (``quantize_int4``), or a GPTQ / AWQ 4-bit checkpoint's own codes
-repacked into the same int4 layout (quantized_checkpoints.py).
+projection and gate/up into one [2I, D] projection (Phi-3 ships them fused: qkv_proj,
+gate_up_proj, gate first); biases are fused the same way. Quantization is weight-only, for
+every linear layer except the embedding and the LM head: int8 symmetric per output channel, or
+int4 in groups of 128 along K (``quantize_int4``), or a GPTQ / AWQ 4-bit checkpoint's own codes
+repacked into the same int4 layout (quantized_checkpoints.py). Biases and norms stay float.
+
+Weight names (``model.layers.{i}.`` prefix): input_layernorm, self_attn.{q,k,v,o}_proj (or
+qkv_proj), self_attn.{q,k}_norm (Qwen3, Gemma 3), post_attention_layernorm,
+pre_feedforward_layernorm and post_feedforward_layernorm (Gemma), mlp.{gate,up,down}_proj (or
+gate_up_proj); model.embed_tokens, model.norm, lm_head (absent when tied).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tinyserve.engine.model_config import ModelConfig, ModelLoadError
 from tinyserve.engine.quantized_checkpoints import (
     QuantFormat,
     check_g_idx,
@@ -29,139 +36,19 @@ from tinyserve.engine.quantized_checkpoints import (
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-
-
-class ModelLoadError(Exception):
-    """A model directory that cannot be served; the message names the file and the problem."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    torch_dtype: str | None
-
-
-def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
-
-
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: not a directory")
-    if not path.exists():
-        raise ModelLoadError(f"{path}: missing (expected a Hugging Face config.json)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
-    archs = raw.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") != "llama":
-        raise ModelLoadError(f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                             f"tinyserve serves {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise ModelLoadError(f"{path}: attention_bias/mlp_bias are not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
-    try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        # transformers 5 writes rope settings as one `rope_parameters` block; older checkpoints
-        # use top-level rope_theta / rope_scaling.
-        rope_params = raw.get("rope_parameters") or {}
-        theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling = None if kind == "default" else {**scaling, "rope_type": kind}
-        gen_path = model_dir / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-        cfg = ModelConfig(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"{path}: required field {e.args[0]!r} is missing") from e
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ModelLoadError(f"{path}: num_attention_heads {cfg.num_heads} is not a multiple of "
-                             f"num_key_value_heads {cfg.num_kv_heads}")
-    if cfg.head_dim % 2:
-        raise ModelLoadError(f"{path}: head_dim {cfg.head_dim} must be even for rotary embeddings")
-    if cfg.rope_scaling and cfg.rope_scaling["rope_type"] not in ("llama3", "linear"):
-        raise ModelLoadError(f"{path}: rope_scaling type {cfg.rope_scaling['rope_type']!r} is not "
-                             "supported (default, linear, llama3)")
-    return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# Rotary tables
-# ---------------------------------------------------------------------------------------------
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] fp32 inverse frequencies, with linear or llama3 scaling applied."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    if s["rope_type"] == "linear":
-        return inv_freq / float(s["factor"])
-    # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
-    factor = float(s["factor"])
-    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
-    old_len = float(s.get("original_max_position_embeddings", 8192))
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device | str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_len, head_dim / 2] fp32, computed as transformers does (fp32 products)."""
-    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-    return freqs.cos().contiguous().to(device), freqs.sin().contiguous().to(device)
-
-
 # ---------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------
+
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 @dataclass(slots=True)
 class Linear:
     weight: torch.Tensor  # [out, in], float or int8
     scale: torch.Tensor | None = None  # [out] fp32 when weight is int8
+    bias: torch.Tensor | None = None  # [out], the model dtype
 
     @property
     def numel(self) -> int:
@@ -169,8 +56,7 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        n = self.weight.numel() * self.weight.element_size()
-        return n + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
+        return _bytes(self.weight, self.scale, self.bias)
 
 
 @dataclass(slots=True)
@@ -183,6 +69,7 @@ class Int4Linear:
     zeros: torch.Tensor | None  # [out, in_pad / group_size] uint8; None: 8 (symmetric)
     group_size: int
     in_features: int
+    bias: torch.Tensor | None = None  # [out], the model dtype
 
     @property
     def numel(self) -> int:
@@ -190,8 +77,7 @@ class Int4Linear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.qweight, self.scales, self.zeros) if t is not None)
+        return _bytes(self.qweight, self.scales, self.zeros, self.bias)
 
 
 @dataclass(slots=True)
@@ -199,13 +85,22 @@ class LayerWeights:
     input_norm: torch.Tensor  # [D]
     qkv: Linear | Int4Linear  # [(Hq + 2 Hk) * Dh, D]
     o: Linear | Int4Linear  # [D, Hq * Dh]
-    post_norm: torch.Tensor  # [D]
+    post_norm: torch.Tensor  # [D]: before the MLP; with sandwich norms, after attention
     gate_up: Linear | Int4Linear  # [2I, D]
     down: Linear | Int4Linear  # [D, I]
+    pre_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
+    post_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
+    q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [Dh]
+
+    @property
+    def norms(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.input_norm, self.post_norm, self.pre_ffn_norm, self.post_ffn_norm,
+                self.q_norm, self.k_norm)
 
 
 @dataclass(slots=True)
-class LlamaWeights:
+class ModelWeights:
     embed: torch.Tensor  # [V, D]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [D]
@@ -217,12 +112,13 @@ class LlamaWeights:
         def lin_bytes(lin: Linear | Int4Linear) -> int:
             return lin.numel * as_float.itemsize if as_float else lin.nbytes
 
-        total = sum(t.numel() * t.element_size() for t in (self.embed, self.norm))
+        total = _bytes(self.embed, self.norm)
         if self.lm_head.weight is not self.embed:
             total += lin_bytes(self.lm_head)
         for layer in self.layers:
-            total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_norm))
-            total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += _bytes(*layer.norms)
+            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            total += sum(lin_bytes(x) for x in lins) + _bytes(*(x.bias for x in lins))
         return total
 
 
@@ -317,9 +213,9 @@ class _TensorReader:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-                 device: torch.device | str, quantization: str | None = None) -> LlamaWeights:
+                 device: torch.device | str, quantization: str | None = None) -> ModelWeights:
     """``quantization``: None, "int8" or "int4" for a float checkpoint; a GPTQ / AWQ checkpoint
-    loads as int4 by itself (``LlamaWeights.quantization`` says which)."""
+    loads as int4 by itself (``ModelWeights.quantization`` says which)."""
     if quantization not in (None, "int8", "int4"):
         raise ModelLoadError(f"quantization {quantization!r} is not supported (None, 'int8', 'int4')")
     fmt = _checkpoint_format(Path(model_dir))
@@ -327,42 +223,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         raise ModelLoadError(f"{model_dir}: already quantized ({fmt.method}, 4-bit); serve it "
                              f"without quantization={quantization!r}")
     reader = _TensorReader(_weight_files(Path(model_dir)))
-    D, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-
-    def dense(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
-
-    def linear(k: int, *parts: tuple[str, int]) -> Linear | Int4Linear:
-        """parts: (name prefix, out_features), fused along out in this order; k: in_features."""
-        if fmt is not None:
-            lin = _checkpoint_int4(reader, fmt, parts, k)
-        else:
-            w = torch.cat([reader.get(f"{p}.weight", (n, k)) for p, n in parts])
-            if quantization == "int4":  # (on the device: the clip search is 20 passes)
-                lin = quantize_int4_linear(w.to(device), dtype)
-            else:
-                lin = quantize_int8(w) if quantization == "int8" else Linear(w.to(dtype))
-        if isinstance(lin, Int4Linear):
-            return Int4Linear(lin.qweight.to(device), lin.scales.to(device),
-                              None if lin.zeros is None else lin.zeros.to(device),
-                              lin.group_size, lin.in_features)
-        return Linear(lin.weight.to(device).contiguous(),
-                      None if lin.scale is None else lin.scale.to(device))
-
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layers.append(LayerWeights(
-            input_norm=dense(reader.get(p + "input_layernorm.weight", (D,))),
-            qkv=linear(D, (p + "self_attn.q_proj", q_out), (p + "self_attn.k_proj", kv_out),
-                       (p + "self_attn.v_proj", kv_out)),
-            o=linear(q_out, (p + "self_attn.o_proj", D)),
-            post_norm=dense(reader.get(p + "post_attention_layernorm.weight", (D,))),
-            gate_up=linear(D, (p + "mlp.gate_proj", I), (p + "mlp.up_proj", I)),
-            down=linear(I, (p + "mlp.down_proj", D)),
-        ))
-    embed = dense(reader.get("model.embed_tokens.weight", (V, D)))
+    layers = _Layers(reader, cfg, fmt, quantization, dtype, device)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    embed = layers.dense("model.embed_tokens.weight", (V, D))
     if "lm_head.qweight" in reader.files:  # (else it would fall back to the embedding)
         raise ModelLoadError(f"{model_dir}: a quantized LM head (lm_head.qweight) is not "
                              "supported: int4 covers the decoder's linear layers only")
@@ -371,10 +234,72 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             log.warning("lm_head.weight is missing; using the tied embedding")
         lm_head = Linear(embed)
     else:
-        lm_head = Linear(dense(reader.get("lm_head.weight", (V, D))))
-    return LlamaWeights(embed=embed, layers=layers,
-                        norm=dense(reader.get("model.norm.weight", (D,))), lm_head=lm_head,
+        lm_head = Linear(layers.dense("lm_head.weight", (V, D)))
+    return ModelWeights(embed=embed, layers=[layers.layer(i) for i in range(cfg.num_layers)],
+                        norm=layers.dense("model.norm.weight", (D,)), lm_head=lm_head,
                         quantization=fmt.method if fmt is not None else quantization)
+
+
+class _Layers:
+    """One decoder layer's weights at a time, by the family's names (module docstring)."""
+
+    def __init__(self, reader: _TensorReader, cfg: ModelConfig, fmt: QuantFormat | None,
+                 quantization: str | None, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.reader, self.cfg, self.fmt, self.quantization = reader, cfg, fmt, quantization
+        self.dtype, self.device = dtype, device
+
+    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.reader.get(name, shape).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def linear(self, k: int, parts: tuple[tuple[str, int], ...], bias: bool = False
+               ) -> Linear | Int4Linear:
+        """parts: (name prefix, out_features), fused along out in this order; k: in_features;
+        ``bias``: each part has one (fused the same way)."""
+        dev = self.device
+        if self.fmt is not None:
+            lin = _checkpoint_int4(self.reader, self.fmt, parts, k)
+        else:
+            w = torch.cat([self.reader.get(f"{p}.weight", (n, k)) for p, n in parts])
+            if self.quantization == "int4":  # (on the device: the clip search is 20 passes)
+                lin = quantize_int4_linear(w.to(dev), self.dtype)
+            elif self.quantization == "int8":
+                lin = quantize_int8(w)
+            else:
+                lin = Linear(w.to(self.dtype))
+        b = None
+        if bias:
+            b = torch.cat([self.reader.get(f"{p}.bias", (n,)) for p, n in parts])
+            b = b.to(device=dev, dtype=self.dtype).contiguous()
+        if isinstance(lin, Int4Linear):
+            return Int4Linear(lin.qweight.to(dev), lin.scales.to(dev),
+                              None if lin.zeros is None else lin.zeros.to(dev),
+                              lin.group_size, lin.in_features, b)
+        return Linear(lin.weight.to(dev).contiguous(),
+                      None if lin.scale is None else lin.scale.to(dev), b)
+
+    def layer(self, i: int) -> LayerWeights:
+        cfg, p = self.cfg, f"model.layers.{i}."
+        D, I, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * Dh, cfg.num_kv_heads * Dh
+        if cfg.fused_checkpoint:  # Phi-3
+            qkv = ((p + "self_attn.qkv_proj", q_out + 2 * kv_out),)
+            gate_up = ((p + "mlp.gate_up_proj", 2 * I),)
+        else:
+            qkv = tuple((p + f"self_attn.{x}_proj", n)
+                        for x, n in (("q", q_out), ("k", kv_out), ("v", kv_out)))
+            gate_up = ((p + "mlp.gate_proj", I), (p + "mlp.up_proj", I))
+        sandwich = cfg.sandwich_norms
+        return LayerWeights(
+            input_norm=self.dense(p + "input_layernorm.weight", (D,)),
+            qkv=self.linear(D, qkv, cfg.qkv_bias),
+            o=self.linear(q_out, ((p + "self_attn.o_proj", D),), cfg.o_bias),
+            post_norm=self.dense(p + "post_attention_layernorm.weight", (D,)),
+            gate_up=self.linear(D, gate_up, cfg.mlp_bias),
+            down=self.linear(I, ((p + "mlp.down_proj", D),), cfg.mlp_bias),
+            pre_ffn_norm=self.dense(p + "pre_feedforward_layernorm.weight", (D,)) if sandwich else None,
+            post_ffn_norm=self.dense(p + "post_feedforward_layernorm.weight", (D,)) if sandwich else None,
+            q_norm=self.dense(p + "self_attn.q_norm.weight", (Dh,)) if cfg.qk_norm else None,
+            k_norm=self.dense(p + "self_attn.k_norm.weight", (Dh,)) if cfg.qk_norm else None)
 
 
 def _checkpoint_int4(reader: _TensorReader, fmt: QuantFormat, parts: tuple[tuple[str, int], ...],

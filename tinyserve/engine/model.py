@@ -1,4 +1,5 @@
-"""The Llama forward pass, every tensor operation a Triton kernel.
+"""The decoder forward pass, every tensor operation a Triton kernel, configured by the model
+description (model_config.py) rather than written per family.
 
 torch only allocates and views here: ``torch.empty`` for outputs, slicing/``view`` for the
 q/k/v parts of the fused projection (tests/test_no_torch_compute.py holds us to it).
@@ -8,6 +9,20 @@ first and use the split-KV decode kernel; the rest are prefill chunks:
 
     tokens  [ d0 d1 ... dD-1 | p0 p0 p0 p0 | p1 p1 | ... ]
               one per decode   chunk of seq  chunk ...
+
+A layer, with the switches that change it:
+
+    x = norm(h + residual)                 (Gemma: x (1 + w), fp32)
+    q, k, v = x Wqkv (+ bias)              (Qwen2: bias in the matmul's epilogue)
+    q, k = rope(norm(q), norm(k))          (Qwen3, Gemma 3: per-head norm; partial rotary;
+                                            Gemma 3's local layers: their own rope table)
+    a = attention(q, K, V) Wo              (window per layer; soft-cap; scale)
+    [a = norm(a)]                          (Gemma: post-attention norm, then the pre-FFN
+    x = norm(a + residual)                  norm of the residual sum)
+    h = act(x Wg) * (x Wu) Wd              (SiLU or GELU-tanh)
+    [h = norm(h)]                          (Gemma: post-FFN norm)
+
+then the final norm and the LM head (Gemma 2: logits soft-capped in the head's epilogue).
 """
 
 from __future__ import annotations
@@ -17,7 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.engine.kv_cache import KVCache, LayerKV
-from tinyserve.engine.loader import Int4Linear, LayerWeights, Linear, LlamaWeights, ModelConfig
+from tinyserve.engine.loader import Int4Linear, LayerWeights, Linear, ModelWeights
+from tinyserve.engine.model_config import ModelConfig
+from tinyserve.engine.rope import RopeTables
 from tinyserve.kernels import (
     add_rmsnorm,
     context_attention_paged,
@@ -29,6 +46,7 @@ from tinyserve.kernels import (
     silu_and_mul,
     token_attention_paged,
 )
+from tinyserve.kernels.rotary import QKNorm
 from tinyserve.kernels.utils import empty, phase
 
 
@@ -53,22 +71,34 @@ class ForwardBatch:
 
 
 
-def linear(x: torch.Tensor, lin: Linear | Int4Linear, out: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """x: [T, in] -> [T, out], by the way ``lin`` is stored (float, int8, or int4)."""
+def linear(x: torch.Tensor, lin: Linear | Int4Linear, out: torch.Tensor | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """x: [T, in] -> [T, out], by the way ``lin`` is stored (float, int8, or int4); its bias
+    (and a soft-cap) in the epilogue."""
     if isinstance(lin, Int4Linear):
-        return int4_matmul(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, out=out)
+        return int4_matmul(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, out=out,
+                           bias=lin.bias, softcap=softcap)
     if lin.scale is not None:
-        return int8_matmul(x, lin.weight, lin.scale, out=out)
-    return matmul(x, lin.weight, out=out)
+        return int8_matmul(x, lin.weight, lin.scale, out=out, bias=lin.bias, softcap=softcap)
+    return matmul(x, lin.weight, out=out, bias=lin.bias, softcap=softcap)
 
 
-class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: LlamaWeights, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
+class DecoderModel:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: RopeTables) -> None:
         self.cfg = cfg
         self.w = weights
-        self.cos, self.sin = cos, sin  # [max_len, head_dim / 2] fp32
+        self.rope = rope
+        # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype (transformers)
+        self.embed_scale = None if cfg.embed_scale is None else float(
+            torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
+        self.qk_norms = [None if layer.q_norm is None else QKNorm(
+            layer.q_norm, layer.k_norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            for layer in weights.layers]
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        return add_rmsnorm(x, w, self.cfg.rms_norm_eps, residual=residual,
+                           unit_offset=self.cfg.norm_unit_offset)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Returns logits [S, V] fp32 for the rows in ``batch.logits_indices``."""
@@ -76,25 +106,32 @@ class LlamaModel:
         # Phases tell a recording (a decode bucket being recorded) which scratch buffers
         # every layer may share; free otherwise. See kernels.utils.Recording.
         phase("head")
-        h = gather_rows(batch.input_ids, w.embed)  # [T, D]
+        h = gather_rows(batch.input_ids, w.embed, scale=self.embed_scale)  # [T, D]
         residual = None
-        for layer, layer_kv in zip(w.layers, kv_cache, strict=True):
+        for i, (layer, layer_kv) in enumerate(zip(w.layers, kv_cache, strict=True)):
             phase("layer")
             if residual is None:
                 residual = h
-                x = add_rmsnorm(h, layer.input_norm, cfg.rms_norm_eps)
+                x = self._norm(h, layer.input_norm)
             else:
-                x = add_rmsnorm(h, layer.input_norm, cfg.rms_norm_eps, residual=residual)
-            h = self._attention(x, layer, batch, layer_kv)
-            x = add_rmsnorm(h, layer.post_norm, cfg.rms_norm_eps, residual=residual)
-            h = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+                x = self._norm(h, layer.input_norm, residual)
+            h = self._attention(i, x, layer, batch, layer_kv)
+            if cfg.sandwich_norms:  # (Gemma) the attention output normed before the sum
+                h = self._norm(h, layer.post_norm)
+                x = self._norm(h, layer.pre_ffn_norm, residual)
+            else:
+                x = self._norm(h, layer.post_norm, residual)
+            h = linear(silu_and_mul(linear(x, layer.gate_up), activation=cfg.activation),
+                       layer.down)
+            if cfg.sandwich_norms:
+                h = self._norm(h, layer.post_ffn_norm)
         phase("tail")
-        x = add_rmsnorm(h, w.norm, cfg.rms_norm_eps, residual=residual)
+        x = self._norm(h, w.norm, residual)
         last = x if batch.logits_indices is None else gather_rows(batch.logits_indices, x)
         logits = empty((last.shape[0], cfg.vocab_size), torch.float32, x.device)
-        return linear(last, w.lm_head, out=logits)
+        return linear(last, w.lm_head, out=logits, softcap=cfg.final_softcap)
 
-    def _attention(self, x: torch.Tensor, layer: LayerWeights, batch: ForwardBatch,
+    def _attention(self, i: int, x: torch.Tensor, layer: LayerWeights, batch: ForwardBatch,
                    kv: LayerKV) -> torch.Tensor:
         cfg = self.cfg
         T, Hq, Hk, Dh = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -103,18 +140,20 @@ class LlamaModel:
         k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
         v = qkv[:, (Hq + Hk) * Dh :].view(T, Hk, Dh)
         k_cache, v_cache, k_scale, v_scale = kv
-        rotary_and_write_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache,
-                            batch.slot_mapping, k_scale, v_scale)
+        cos, sin = self.rope.local if cfg.uses_local_rope(i) else (self.rope.cos, self.rope.sin)
+        rotary_and_write_kv(q, k, v, batch.positions, cos, sin, k_cache, v_cache,
+                            batch.slot_mapping, k_scale, v_scale, qk_norm=self.qk_norms[i])
         o = empty((T, Hq, Dh), x.dtype, x.device)
         D = batch.num_decodes
+        shape = dict(sm_scale=cfg.attn_scale, window=cfg.window(i), softcap=cfg.attn_softcap,
+                     k_scale=k_scale, v_scale=v_scale)
         if D:
             token_attention_paged(q[:D], k_cache, v_cache, batch.block_tables,
                                   batch.decode_seq_lens, batch.decode_max_seq_len, out=o[:D],
-                                  table_rows=batch.decode_rows, k_scale=k_scale, v_scale=v_scale)
+                                  table_rows=batch.decode_rows, **shape)
         if T > D:
             context_attention_paged(q[D:], k_cache, v_cache, batch.block_tables,
                                     batch.prefill_seq_lens, batch.prefill_q_start,
                                     batch.prefill_max_q_len, out=o[D:],
-                                    table_rows=batch.prefill_rows, k_scale=k_scale,
-                                    v_scale=v_scale)
+                                    table_rows=batch.prefill_rows, **shape)
         return linear(o.view(T, Hq * Dh), layer.o)

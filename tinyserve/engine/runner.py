@@ -26,9 +26,9 @@ import torch
 
 from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from tinyserve.engine.loader import ModelConfig
 from tinyserve.engine.logits_processing import LogitsProcessors
-from tinyserve.engine.model import ForwardBatch, LlamaModel
+from tinyserve.engine.model import DecoderModel, ForwardBatch
+from tinyserve.engine.model_config import ModelConfig
 from tinyserve.kernels import sample, update_block_table
 from tinyserve.kernels.utils import Recording, next_pow2, recording
 from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
@@ -103,7 +103,7 @@ class _Statics:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cfg: ModelConfig, kv_spec: KVCacheSpec,
+    def __init__(self, model: DecoderModel, cfg: ModelConfig, kv_spec: KVCacheSpec,
                  device: torch.device | str, *, max_num_seqs: int = 64,
                  max_model_len: int | None = None, enforce_eager: bool = False) -> None:
         self.model = model
@@ -111,7 +111,7 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.device = torch.device(device)
         self.kv_cache = allocate_kv_cache(kv_spec, device)
-        self.max_model_len = max_model_len or model.cos.shape[0]
+        self.max_model_len = max_model_len or model.rope.max_positions
         bs = kv_spec.block_size
         width = -(-self.max_model_len // bs)
         # Twice max_num_seqs: rows of released sequences wait for the next plan's ``freed``.
@@ -136,7 +136,7 @@ class ModelRunner:
         # table changes (the host mirror and the device table must not part ways over it).
         self.tables.release(plan.freed)
         self.logits.forget(plan.freed)
-        max_pos = self.model.cos.shape[0]
+        max_pos = self.model.rope.max_positions
         if seqs and max(s.start_pos + len(s.token_ids) for s in seqs) > max_pos:
             raise ValueError(f"a position is beyond the rotary table ({max_pos})")
         self.statics.writable()
@@ -308,7 +308,7 @@ class ModelRunner:
             if s.prompt_targets:  # rows after the sampled ones (forward keeps this order)
                 first = len(input_ids) - n
                 prompt_rows.extend(range(first, first + len(s.prompt_targets)))
-        max_pos = self.model.cos.shape[0]
+        max_pos = self.model.rope.max_positions
         if positions and max(positions) >= max_pos:
             raise ValueError(f"position {max(positions)} is beyond the rotary table ({max_pos})")
 

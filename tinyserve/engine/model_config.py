@@ -1,0 +1,257 @@
+"""One model description for every family: what a checkpoint's config.json asks of the forward
+pass, as a row of switches. Llama is the plain row; each family sets the switches it needs:
+
+    family (architecture)      switches it sets
+    Llama (LlamaForCausalLM)   attention_bias (q/k/v/o), mlp_bias, rope default/linear/llama3/...
+    Mistral                    head_dim; sliding_window on every layer
+    Qwen2                      q/k/v bias; sliding window on layers >= max_window_layers
+    Qwen3                      q/k norm (RMSNorm over head_dim); head_dim; attention_bias
+    Gemma 2                    (1 + w) norms, four per layer (sandwich); embeddings x sqrt(hidden);
+                               GeGLU (gelu tanh); scale query_pre_attn_scalar^-0.5; soft-caps;
+                               sliding window on alternate layers; tied head
+    Gemma 3 (text)             Gemma 2 + (1 + w) q/k norm; local:global layers by layer_types;
+                               local layers' own rope (rope_local_base_freq / sliding_attention)
+    Phi-3 / 3.5 / Phi-4-mini   fused qkv_proj and gate_up_proj; partial rotary; LongRoPE; window
+
+The loader maps each family's weight names onto the same layer (loader.py). A config key that
+changes the computation and is not honoured is refused by name (never load a model and
+compute something else): ``_refuse``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FAMILIES = {  # architecture -> model_type
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+class ModelLoadError(Exception):
+    """A model directory that cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None: default rope; else with its "rope_type"
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+    architecture: str = "LlamaForCausalLM"
+    # -- the switches (defaults: Llama) --
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k, before rope
+    norm_unit_offset: bool = False  # every RMSNorm times (1 + w), in fp32 (Gemma)
+    sandwich_norms: bool = False  # post-attention, pre- and post-feedforward norms (Gemma)
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: float | None = None  # Gemma: sqrt(hidden_size), rounded to the model dtype
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+    rotary_dim: int | None = None  # partial rotary; None: head_dim
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer: "full_attention" | "sliding_attention"
+    # Gemma 3: the sliding layers' own rope (None: the same as every layer's)
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = field(default=None)
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window, or None (full attention)."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def uses_local_rope(self, layer: int) -> bool:
+        return self.local_rope_theta is not None and self.window(layer) is not None
+
+    @property
+    def every_layer_windowed(self) -> bool:
+        """Every layer slides: a sequence's blocks wholly behind the window can be released."""
+        return self.sliding_window is not None and all(
+            self.window(i) is not None for i in range(self.num_layers))
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _rope(raw: dict[str, Any], params: dict[str, Any] | None, default_theta: float
+          ) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from a transformers-5 ``rope_parameters`` block, else the
+    classic top-level rope_theta / rope_scaling."""
+    params = params or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta") or default_theta))
+    scaling = params if params else raw.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    return theta, scaling or None
+
+
+def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str, ...]:
+    """config.json's layer_types, else what transformers derives for the family."""
+    given = raw.get("layer_types")
+    if given:
+        return tuple(given)
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window") or window is None:
+            return ()
+        first = int(raw.get("max_window_layers", 28))
+        return tuple("sliding_attention" if i >= first else "full_attention"
+                     for i in range(num_layers))
+    if family == "gemma2":
+        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
+                     for i in range(num_layers))
+    if family == "gemma3_text":
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(num_layers))
+    if window is not None:  # Mistral, Phi-3 (and a Llama with a window): every layer
+        return ("sliding_attention",) * num_layers
+    return ()
+
+
+def _switches(raw: dict[str, Any], family: str, head_dim: int, hidden: int) -> dict[str, Any]:
+    gemma = family in ("gemma2", "gemma3_text")
+    bias = bool(raw.get("attention_bias", False))
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    if act not in ("silu", *GELU_TANH):
+        raise ValueError(f"hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
+    out = dict(
+        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=bool(raw.get("mlp_bias")),
+        qk_norm=family in ("qwen3", "gemma3_text"), norm_unit_offset=gemma, sandwich_norms=gemma,
+        activation="gelu_tanh" if act in GELU_TANH else "silu",
+        fused_checkpoint=family == "phi3")
+    if gemma:
+        out.update(attn_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+                   # Gemma 3 keeps the key but replaced attention soft-capping with q/k norm:
+                   # transformers (and vLLM) never apply it there
+                   attn_softcap=raw.get("attn_logit_softcapping") if family == "gemma2" else None,
+                   final_softcap=raw.get("final_logit_softcapping"),
+                   embed_scale=math.sqrt(hidden))
+    return out
+
+
+def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
+    """Config keys that change the computation in ways this forward pass does not do."""
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: use_bidirectional_attention is not supported (causal only)")
+    if family == "llama" and raw.get("pretraining_tp", 1) not in (1, None):
+        raise ModelLoadError(f"{path}: pretraining_tp {raw['pretraining_tp']} is not supported")
+    if raw.get("layer_types") and set(raw["layer_types"]) - {"full_attention", "sliding_attention"}:
+        raise ModelLoadError(f"{path}: layer_types {sorted(set(raw['layer_types']))} are not "
+                             "supported (full_attention, sliding_attention)")
+    if (raw.get("quantization_config") or {}).get("modules_to_not_convert"):
+        raise ModelLoadError(f"{path}: quantization_config.modules_to_not_convert is not supported")
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: not a directory")
+    if not path.exists():
+        raise ModelLoadError(f"{path}: missing (expected a Hugging Face config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in FAMILIES), None)
+    if arch is None and raw.get("model_type") in FAMILIES.values():
+        arch = next(a for a, t in FAMILIES.items() if t == raw["model_type"])
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                             f"tinyserve serves {', '.join(FAMILIES)}")
+    family = FAMILIES[arch]
+    _refuse(raw, family, path)
+    try:
+        cfg = _parse(raw, arch, family, model_dir)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: required field {e.args[0]!r} is missing") from e
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    _check(cfg, path)
+    return cfg
+
+
+def _parse(raw: dict[str, Any], arch: str, family: str, model_dir: Path) -> ModelConfig:
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    params = raw.get("rope_parameters") or {}
+    layered = "full_attention" in params or "sliding_attention" in params  # (Gemma 3)
+    theta, scaling = _rope(raw, params.get("full_attention") if layered else params,
+                           1_000_000.0 if family == "gemma3_text" else 10000.0)
+    local_theta = local_scaling = None
+    if family == "gemma3_text":
+        local = params.get("sliding_attention") if layered else {
+            "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+        local_theta, local_scaling = _rope({}, local, 10000.0)
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    num_layers = int(raw["num_hidden_layers"])
+    layer_types = _layer_types(raw, family, num_layers)
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    if scaling and scaling["rope_type"] == "longrope":  # (Phi-3: the key may sit at top level)
+        scaling.setdefault("original_max_position_embeddings",
+                           raw.get("original_max_position_embeddings"))
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
+        num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=head_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_ids(gen.get("eos_token_id", raw.get("eos_token_id"))),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), architecture=arch,
+        rotary_dim=None if partial == 1.0 else int(head_dim * partial),
+        sliding_window=raw.get("sliding_window") if layer_types else None,
+        layer_types=layer_types, local_rope_theta=local_theta, local_rope_scaling=local_scaling,
+        **_switches(raw, family, head_dim, hidden))
+
+
+def _check(cfg: ModelConfig, path: Path) -> None:
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ModelLoadError(f"{path}: num_attention_heads {cfg.num_heads} is not a multiple of "
+                             f"num_key_value_heads {cfg.num_kv_heads}")
+    rotary = cfg.rotary_dim or cfg.head_dim
+    if rotary % 2 or rotary > cfg.head_dim:
+        raise ModelLoadError(f"{path}: the rotary dimension {rotary} must be even and at most "
+                             f"head_dim {cfg.head_dim}")
+    if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
+        raise ModelLoadError(f"{path}: layer_types has {len(cfg.layer_types)} entries for "
+                             f"{cfg.num_layers} layers")
+    if cfg.layer_types and "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
+        raise ModelLoadError(f"{path}: sliding layers need a sliding_window")
+    for scaling in (cfg.rope_scaling, cfg.local_rope_scaling):
+        if scaling and scaling["rope_type"] not in ROPE_TYPES:
+            raise ModelLoadError(f"{path}: rope_scaling type {scaling['rope_type']!r} is not "
+                                 f"supported ({', '.join(ROPE_TYPES)})")
