@@ -26,8 +26,9 @@ def fingerprint(tokens) -> bytes:
 
 
 class FakeExecutor:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, window: int | None = None) -> None:
         self.bs = block_size
+        self.window = window  # every layer's sliding window: older keys are never read
         self.kv: dict[int, bytes] = {}
         self.tokens_by_seq: dict[int, list[int]] = {}
         self.tables: dict[int, list[int]] = {}  # the runner's persistent block table
@@ -59,7 +60,8 @@ class FakeExecutor:
             assert list(s.token_ids) == toks[s.start_pos:end]
             table = self.tables[s.seq_id]
             assert len(table) * self.bs >= end
-            for p in range(s.start_pos):  # read: the cached context must be this sequence's
+            oldest = 0 if self.window is None else max(0, s.start_pos - self.window + 1)
+            for p in range(oldest, s.start_pos):  # read: the cached context must be its own
                 slot = table[p // self.bs] * self.bs + p % self.bs
                 assert self.kv.get(slot) == fingerprint(toks[: p + 1]), (s.seq_id, p)
             for p in range(s.start_pos, end):  # write this step's tokens
@@ -72,10 +74,11 @@ class FakeExecutor:
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64,
-                   prefix=True):
-    kv = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=prefix)
+                   prefix=True, window=None):
+    kv = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=prefix,
+                        window=window)
     cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, frozenset({EOS}))
-    return Scheduler(cfg, kv), FakeExecutor(block_size)
+    return Scheduler(cfg, kv), FakeExecutor(block_size, window)
 
 
 def create_requests(n, num_tokens, max_tokens=8, start_id=0, shared_prefix=()):
@@ -476,3 +479,45 @@ def test_planning_ahead_gives_the_same_outputs_and_frees_every_block(kw, executo
     if executor is FakeExecutor and not sched.num_preemptions:
         # Finishing by length is foreseen: planning ahead computes no token in vain.
         assert sum(p.num_tokens for p in plans) == sum(p.num_tokens for p in solo_plans)
+
+
+# -- a sliding window on every layer: blocks behind it are given back -------------------------
+
+
+def test_a_window_on_every_layer_bounds_the_blocks_a_sequence_holds():
+    """Window 8, blocks of 4: a 60-token sequence holds at most window + a step of blocks, the
+    pool (7 blocks) is far smaller than max_model_len (16 blocks), the fake executor checks
+    every key a query can still see, and the outputs equal an unwindowed run's (the fake
+    model's tokens depend on the tokens only)."""
+    def requests():
+        return create_requests(3, num_tokens=10, max_tokens=50) + create_requests(
+            2, num_tokens=3, max_tokens=30, start_id=50, shared_prefix=tuple(range(200, 212)))
+
+    reference = run(*make_scheduler(num_blocks=64, budget=8), requests())
+    sched, ex = make_scheduler(num_blocks=7, budget=8, window=8)
+    assert Scheduler.blocks_one_sequence_may_hold(sched.cfg, sched.kv) == 7
+    most = []
+
+    def held(plan):
+        most.append(max((sched.kv.held(q) for q in sched.seqs.values()), default=0))
+        for q in sched.seqs.values():  # never a dropped block's id handed out twice to it
+            live = q.block_ids[q.num_dropped_blocks:]
+            assert len(set(live)) == len(live)
+
+    assert run(sched, ex, requests(), on_step=held) == reference
+    assert sched.kv.pool.usage == 0.0
+    assert max(most) <= 7
+    # a decoding sequence settles at the window's blocks plus the one being written
+    assert most[-1] <= 8 // 4 + 1
+
+
+def test_a_window_shrinks_the_pool_check_and_planning_ahead_still_matches():
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_scheduler(num_blocks=6, budget=8, window=8)  # one sequence could starve
+    sched, _ = make_scheduler(num_blocks=7, budget=8, window=8)
+    reqs = lambda: create_requests(4, num_tokens=9, max_tokens=40)  # noqa: E731
+    alone = run(sched, FakeExecutor(4, 8), reqs())
+    sched, _ = make_scheduler(num_blocks=7, budget=8, window=8)
+    assert run_ahead(sched, FakeExecutor(4, 8), reqs()) == alone
+    assert sched.kv.pool.usage == 0.0 and not sched.seqs
+    assert alone == run(*make_scheduler(), reqs())  # as without a window, with 64 blocks

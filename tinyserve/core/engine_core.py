@@ -35,6 +35,7 @@ class CoreConfig:
     eos_token_ids: frozenset[int]
     enable_prefix_caching: bool = True
     seed: int = 0
+    kv_window: int | None = None  # every layer's sliding window: older blocks are given back
 
     @classmethod
     def from_engine(cls, cfg: EngineConfig, info: Any) -> CoreConfig:
@@ -44,7 +45,8 @@ class CoreConfig:
                    max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids,
-                   enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed)
+                   enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed,
+                   kv_window=info.kv_window)
 
 
 class EngineCore:
@@ -52,7 +54,7 @@ class EngineCore:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.kv = KVCacheManager(BlockPool(cfg.num_kv_blocks, cfg.block_size),
-                                 cfg.enable_prefix_caching)
+                                 cfg.enable_prefix_caching, cfg.kv_window)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                                    cfg.max_model_len, cfg.eos_token_ids), self.kv)
         self._rng = random.Random(cfg.seed)

@@ -2,6 +2,12 @@
 
 The one place that turns "sequence needs N more token slots" into block allocations, and
 "these blocks are now full" into prefix-cache entries. Pure Python.
+
+With a sliding window on every layer (``window``: Mistral v0.1, Phi-3 with a window), no query
+to come attends to a key older than ``window`` positions behind the next token, so the blocks
+wholly behind that are given back as soon as the sequence passes them (``drop_behind_window``):
+a long chat holds about window / block_size blocks, not its whole history. Given-back blocks
+stay in the prefix index until evicted, like any released block.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # every layer's sliding window, if every layer has one
         self.prefix_queries = 0  # prompt tokens of admitted requests
         self.prefix_hits = 0  # of those, tokens served from the cache
 
@@ -39,6 +47,7 @@ class KVCacheManager:
         seq.block_ids = hits
         seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
+        self.drop_behind_window(seq)  # (hits the first computed query cannot see)
         return seq.num_computed_tokens
 
     def record_admission(self, seq: Sequence) -> None:
@@ -72,13 +81,28 @@ class KVCacheManager:
             self.pool.register(seq.block_ids[i], hashes[i])
         seq.num_committed_blocks = full
 
+    def drop_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks wholly behind the window of the next token to compute: keys at
+        positions <= next - window are never attended again. O(blocks dropped)."""
+        if self.window is None:
+            return
+        behind = max(0, seq.num_computed_tokens - self.window + 1) // self.block_size
+        if behind > seq.num_dropped_blocks:
+            self.pool.release(seq.block_ids[seq.num_dropped_blocks:behind])
+            seq.num_dropped_blocks = behind
+
     def free(self, seq: Sequence) -> None:
-        """Release all of a sequence's blocks; tail blocks first, so they are evicted first
-        (a prefix is more likely to be shared than a tail)."""
-        self.pool.release(reversed(seq.block_ids))
+        """Release all of a sequence's blocks it still holds; tail blocks first, so they are
+        evicted first (a prefix is more likely to be shared than a tail)."""
+        self.pool.release(reversed(seq.block_ids[seq.num_dropped_blocks:]))
         seq.block_ids = []
         seq.num_committed_blocks = 0
+        seq.num_dropped_blocks = 0
         seq.num_computed_tokens = 0
+
+    def held(self, seq: Sequence) -> int:
+        """Blocks the sequence holds a reference on."""
+        return len(seq.block_ids) - seq.num_dropped_blocks
 
     @property
     def usage(self) -> float:

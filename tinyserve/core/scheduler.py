@@ -22,7 +22,9 @@ One token budget, no prefill/decode modes. Each step:
 Both lists stay sorted by ``_order``: (-priority, seq_id), and seq ids grow with arrival.
 
 A sequence that fits max_model_len always fits an empty pool (the config checks
-num_blocks * block_size >= max_model_len), so preemption always ends and nothing is lost.
+num_blocks * block_size >= max_model_len, or with a window on every layer, that the pool
+holds a window and two steps: ``blocks_one_sequence_may_hold``), so preemption always ends
+and nothing is lost.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _order(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
-        if kv.pool.num_blocks * kv.block_size < cfg.max_model_len:
+        if kv.pool.num_blocks < self.blocks_one_sequence_may_hold(cfg, kv):
             raise ValueError(f"the KV pool holds {kv.pool.num_blocks * kv.block_size} tokens, fewer "
                              f"than max_model_len {cfg.max_model_len}: one long request could "
                              "never run. Add KV blocks or lower max_model_len.")
@@ -126,6 +128,17 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @staticmethod
+    def blocks_one_sequence_may_hold(cfg: SchedulerConfig, kv: KVCacheManager) -> int:
+        """The most blocks one sequence holds at once: its whole context, or with a window on
+        every layer, the window behind its next token plus a step in flight and the step being
+        planned (each at most the token budget), one block of slack at either end."""
+        whole = -(-cfg.max_model_len // kv.block_size)
+        if kv.window is None:
+            return whole
+        span = kv.window - 1 + 2 * cfg.max_num_batched_tokens
+        return min(whole, -(-span // kv.block_size) + 1)
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -295,6 +308,7 @@ class Scheduler:
             seq.num_computed_tokens += len(s.token_ids)
             seq.num_inflight -= len(s.token_ids)
             self.kv.commit(seq)
+            self.kv.drop_behind_window(seq)
             if s.prompt_targets and (pl := prompt_lps.get(s.seq_id)) is not None:
                 have = len(seq.prompt_lps) - pl.start_pos  # (a recompute brings some again)
                 if have >= 0:

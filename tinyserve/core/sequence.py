@@ -45,6 +45,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix index
+    # leading blocks given back because every layer's sliding window has passed them (their
+    # ids stay in block_ids, so a block's index is still its token range; nothing reads them)
+    num_dropped_blocks: int = 0
     blocks_sent: int = 0  # leading blocks the runner's block table holds (sent with plans)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
