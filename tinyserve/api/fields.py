@@ -89,8 +89,7 @@ CHAT: dict[str, Callable[[Any], bool]] = {
     # vLLM chat extensions
     "echo": _is(False), "add_generation_prompt": _is(True),
     "continue_final_message": _is(False), "add_special_tokens": _is(False),
-    "documents": _none, "chat_template": _none, "chat_template_kwargs": _no_dict,
-    "mm_processor_kwargs": _no_dict,
+    "documents": _none, "chat_template": _none, "mm_processor_kwargs": _no_dict,
 }
 
 COMPLETION: dict[str, Callable[[Any], bool]] = {
@@ -100,7 +99,7 @@ COMPLETION: dict[str, Callable[[Any], bool]] = {
 
 TOKENIZE: dict[str, Callable[[Any], bool]] = {  # vLLM's /tokenize
     "continue_final_message": _is(False), "chat_template": _none,
-    "chat_template_kwargs": _no_dict, "mm_processor_kwargs": _no_dict,
+    "mm_processor_kwargs": _no_dict,
 }
 
 # Top-level fields of OpenAI's and vLLM's requests that tinyserve honours (its structs),

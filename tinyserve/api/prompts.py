@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
 CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each is a request to admission)
+# what a template sees that chat_template_kwargs may not replace (the request's own fields, the
+# tokenizer's special tokens, the sandbox's functions)
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+    "unk_token", "pad_token", "raise_exception", "strftime_now"})
 
 
 class PromptParser:
@@ -133,14 +138,18 @@ class PromptParser:
                            f"{self.max_model_len} tokens", param="messages",
                            code="context_length_exceeded")
         messages = template_messages(req.messages)
+        extra = _template_kwargs(req.chat_template_kwargs)
         chars = sum(len(m["content"]) + len(m["role"]) + CHARS_PER_TURN for m in messages)
         chars += sum(len(msgspec.json.encode(m.get("tool_calls") or "")) for m in messages)
         if tools:
             chars += len(msgspec.json.encode(tools))
+        if extra:
+            chars += len(msgspec.json.encode(extra))
         self._check_chars(chars, "messages")
         try:
-            prompt = await _off_loop(chars, self.tokenizer.apply_chat_template, messages,
-                                     add_generation_prompt, tools)
+            prompt = await _off_loop(chars, functools.partial(
+                self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools,
+                **extra))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         self._check_chars(len(prompt), "messages")
@@ -191,6 +200,20 @@ class PromptParser:
                            f"({prompt_len} in the prompt, {requested} in the completion).",
                            param=param, code="context_length_exceeded")
         return requested
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` (vLLM): more variables for the template; none may replace what
+    the template gets from the request or the tokenizer."""
+    if not kwargs:
+        return {}
+    for name in kwargs:
+        if not name.isidentifier() or name in RESERVED_TEMPLATE_NAMES:
+            what = "is set by the request or the tokenizer" if name.isidentifier() \
+                else "is not a template variable name"
+            raise ApiError(400, f"chat_template_kwargs: {name!r} {what}",
+                           param="chat_template_kwargs")
+    return kwargs
 
 
 def batch_of(prompt: Any) -> list[Any]:

@@ -85,6 +85,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tools: list[Any] | None = None  # checked by tools.plan
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # false: one call at most ("required")
+    # extension (vLLM): more variables for the chat template, e.g. Qwen3's enable_thinking
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -104,6 +106,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     return_token_strs: bool = False
     user: str | None = None  # picks a --route alias's target as a completion's would
     tools: list[Any] | None = None  # messages only: handed to the chat template, as in chat
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only, as in chat
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
