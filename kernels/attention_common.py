@@ -183,6 +183,9 @@ class HeadParams:
         self.block_g = next_pow2(self.group)
         self.block_d = max(16, next_pow2(self.head_dim))
         self.heads_per_prog = next_pow2(self.num_kv_heads) if INTERPRET else 1
+        # head_dim 256 (Gemma): the [rows, 256] fp32 accumulator and q tile spill at 4 warps
+        # (ptxas, sm_90); 8 warps halve what each thread holds
+        self.num_warps = 8 if self.block_d >= 256 else 4
         scale = sm_scale if sm_scale is not None else self.head_dim ** -0.5
         self.sm_scale_log2 = scale * LOG2E
         check(window is None or window >= 1, f"window must be >= 1, got {window}")

@@ -194,7 +194,7 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, QUANT=hp.quantized,
         SINGLE_SPLIT=single,
         HAS_ROWS=table_rows is not None,
-        DOT_PREC=dot_precision(q.dtype), **hp.flags, num_warps=4)
+        DOT_PREC=dot_precision(q.dtype), **hp.flags, num_warps=hp.num_warps)
     if not single:
         block_h = next_pow2(hp.num_heads) if INTERPRET else 1
         launch(_merge_splits_kernel, (B, cdiv(hp.num_heads, block_h)),

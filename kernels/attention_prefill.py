@@ -114,8 +114,10 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     elif q.dtype == torch.float32:  # no fp32 tensor-core path: smaller tiles avoid spills
         rows = 16 if hp.quantized else 32
         block_m, default_n = max(1, rows // hp.block_g), rows
-    else:  # (int8 codes converted in registers: half-width key tiles keep it spill-free)
-        block_m, default_n = max(1, 64 // hp.block_g), 32 if hp.quantized else 64
+    else:  # (int8 codes converted in registers: half-width key tiles keep it spill-free;
+        # head_dim 256: half the query rows too)
+        rows = 64 if hp.block_d <= 128 else 32
+        block_m, default_n = max(1, rows // hp.block_g), 32 if hp.quantized else 64
     block_n = block_n or default_n
     check(block_n >= 16 and block_n & (block_n - 1) == 0, "block_n must be a power of two >= 16")
     grid = (B, hp.kv_grid, cdiv(max_q_len, block_m))
@@ -127,5 +129,6 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         hp.window, hp.cap_log2,
         GROUP=hp.group, BLOCK_G=hp.block_g, HEADS_PER_PROG=hp.heads_per_prog,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=hp.block_d, BLOCK_SIZE=hp.block_size, QUANT=hp.quantized,
-        HAS_ROWS=table_rows is not None, DOT_PREC=dot_precision(q.dtype), **hp.flags, num_warps=4)
+        HAS_ROWS=table_rows is not None, DOT_PREC=dot_precision(q.dtype), **hp.flags,
+        num_warps=hp.num_warps)
     return out

@@ -175,8 +175,72 @@ def exercise_llama3_8b():
     K.sample(logits, *p, all_greedy=True)
 
 
-def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_int8: bool = False):
-    """A ModelRunner with GPU launch configurations on CPU tensors (weights never read)."""
+# (name, hidden, q heads, kv heads, head_dim, rotary_dim, FFN, vocab, window, family switches)
+FAMILY_SHAPES = [
+    ("qwen2.5-7b", 3584, 28, 4, 128, 128, 18944, 152064, None, dict(qkv_bias=True)),
+    ("qwen3-8b", 4096, 32, 8, 128, 128, 12288, 151936, None, dict(qk_norm=True)),
+    ("mistral-7b-v0.1", 4096, 32, 8, 128, 128, 14336, 32000, 4096, {}),
+    ("gemma-2-9b", 3584, 16, 8, 256, 256, 14336, 256000, 4096, dict(
+        gemma=True, attn_softcap=50.0, final_softcap=30.0)),
+    ("gemma-3-12b", 3840, 16, 8, 256, 256, 15360, 262208, 1024, dict(gemma=True, qk_norm=True)),
+    ("phi-3-mini", 3072, 32, 32, 96, 96, 8192, 32064, 2047, {}),
+    ("phi-4-mini", 3072, 24, 8, 128, 96, 8192, 200064, None, {}),
+]
+
+
+def exercise_families():
+    """The launchers at each family's real shapes in bf16, with its switches: projection
+    biases in the epilogue, q/k RMSNorm fused with rotary (float and int8 KV), (1 + w) norms,
+    GELU-tanh GeGLU, the scaled embedding gather, windowed and soft-capped paged attention
+    (prefill and split decode), partial rotary, the soft-capped LM head, the full vocabulary
+    in sampling. Weights are uninitialised."""
+    from tinyserve.kernels.rotary import QKNorm
+
+    bf, B, T, ctx = torch.bfloat16, 16, 40, 8192
+    e = lambda *s, dt=bf: torch.empty(*s, dtype=dt)  # noqa: E731
+    for _, D, Hq, Hk, Dh, rot, I, V, window, sw in FAMILY_SHAPES:
+        gemma = sw.get("gemma", False)
+        qkv_n = (Hq + 2 * Hk) * Dh
+        K.gather_rows(torch.zeros(T, dtype=torch.int64), e(V, D),
+                      scale=D ** 0.5 if gemma else None)
+        K.add_rmsnorm(e(T, D), e(D), 1e-6, residual=e(T, D), unit_offset=gemma)
+        bias = e(qkv_n) if sw.get("qkv_bias") else None
+        for rows in (B, 2048):  # decode and prefill tiles
+            K.matmul(e(rows, D), e(qkv_n, D), bias=bias)
+        q, k, v = split_qkv(e(T, qkv_n), Hq, Hk, Dh)
+        cos, sin = torch.randn(ctx, rot // 2), torch.randn(ctx, rot // 2)
+        norm = QKNorm(e(Dh), e(Dh), 1e-6, gemma) if sw.get("qk_norm") else None
+        kc, vc = e(64, 16, Hk, Dh), e(64, 16, Hk, Dh)
+        K.rotary_and_write_kv(q, k, v, torch.arange(T), cos, sin, kc, vc, torch.arange(T),
+                              qk_norm=norm)
+        kq, vq = e(64, 16, Hk, Dh, dt=torch.int8), e(64, 16, Hk, Dh, dt=torch.int8)
+        ks, vs = e(64, 16, Hk, dt=torch.float16), e(64, 16, Hk, dt=torch.float16)
+        K.rotary_and_write_kv(q, k, v, torch.arange(T), cos, sin, kq, vq, torch.arange(T),
+                              ks, vs, qk_norm=norm)
+        K.silu_and_mul(e(B, 2 * I), activation="gelu_tanh" if gemma else "silu")
+        tables = torch.zeros((2 * B + 1, 512), dtype=torch.int32)
+        shape = dict(window=window, softcap=sw.get("attn_softcap"),
+                     sm_scale=Dh ** -0.5)
+        for cache, scales in (((kc, vc), {}), ((kq, vq), dict(k_scale=ks, v_scale=vs))):
+            K.token_attention_paged(e(B, Hq, Dh), *cache, tables, torch.full((B,), ctx), ctx,
+                                    table_rows=torch.arange(B), **scales, **shape)
+            K.context_attention_paged(e(T, Hq, Dh), *cache, tables, torch.tensor([20, ctx]),
+                                      torch.tensor([0, 20, 40]), 20,
+                                      table_rows=torch.arange(2), **scales, **shape)
+        K.matmul(e(B, D), e(V, D), softcap=sw.get("final_softcap"))  # the LM head
+        logits = torch.empty(B, V)
+        p = (torch.full((B,), 0.8), torch.full((B,), 5, dtype=torch.int32),
+             torch.full((B,), 0.9), torch.arange(B, dtype=torch.int64))
+        K.sample(logits, *p, num_top_logprobs=3)
+        K.target_logprobs(torch.empty(70, V), torch.zeros(70, dtype=torch.int64), 3)
+
+
+def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_int8: bool = False,
+                 switches: bool = False):
+    """A ModelRunner with GPU launch configurations on CPU tensors (weights never read).
+    ``switches``: every family switch on at once (biases, (1 + w) q/k and sandwich norms,
+    GELU-tanh, both soft-caps, an embedding scale, partial rotary, a window on one of the two
+    layers with its own rope)."""
     from tinyserve.engine.kv_cache import KVCacheSpec
     from tinyserve.engine.loader import LayerWeights, Linear, ModelWeights
     from tinyserve.engine.model import DecoderModel
@@ -184,15 +248,26 @@ def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_
     from tinyserve.engine.rope import rope_tables
     from tinyserve.engine.runner import ModelRunner
 
+    on = dict(qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True, norm_unit_offset=True,
+              sandwich_norms=True, activation="gelu_tanh", attn_scale=0.1, attn_softcap=50.0,
+              final_softcap=30.0, embed_scale=16.0, rotary_dim=64, sliding_window=64,
+              layer_types=("sliding_attention", "full_attention"), local_rope_theta=10000.0,
+              architecture="Gemma3ForCausalLM") if switches else {}
     cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
                       num_heads=8, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5,
                       rope_theta=500000.0, rope_scaling=None, max_position_embeddings=max_model_len,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
-                      torch_dtype="bfloat16")
+                      torch_dtype="bfloat16", **on)
     e = lambda *s: torch.empty(*s, dtype=torch.bfloat16)  # noqa: E731
     D, I, q, kv = 256, 512, 8 * 128, 2 * 128
-    layers = [LayerWeights(e(D), Linear(e(q + 2 * kv, D)), Linear(e(D, q)), e(D),
-                           Linear(e(2 * I, D)), Linear(e(D, I))) for _ in range(2)]
+
+    def lin(n: int, k: int) -> Linear:
+        return Linear(e(n, k), bias=e(n) if switches else None)
+
+    extra = dict(pre_ffn_norm=e(D), post_ffn_norm=e(D), q_norm=e(128), k_norm=e(128)) \
+        if switches else {}
+    layers = [LayerWeights(e(D), lin(q + 2 * kv, D), lin(D, q), e(D), lin(2 * I, D), lin(D, I),
+                           **extra) for _ in range(2)]
     weights = ModelWeights(e(1000, D), layers, e(D), Linear(e(1000, D)))
     spec = KVCacheSpec(512, 16, 2, 2, 128, torch.bfloat16, kv_int8)
     model = DecoderModel(cfg, weights, rope_tables(cfg, max_model_len, "cpu"))
@@ -205,12 +280,13 @@ def warm_up_coverage() -> int:
     as Triton's JIT computes them (bound arguments, specialization, constexprs, options) for
     the warm-up, then for steps of every kind and size; a key serving adds is a compile that
     would happen while serving. With decode buckets, with --enforce-eager, and with buckets
-    over an int8 KV cache; matmuls take the split-K policy of a 132-SM GPU."""
-    return max(_coverage(eager, kv_int8) for eager, kv_int8 in ((False, False), (True, False),
-                                                                 (False, True)))
+    over an int8 KV cache, and with every family switch on; matmuls take the split-K policy
+    of a 132-SM GPU."""
+    return max(_coverage(*v) for v in ((False, False), (True, False), (False, True),
+                                       (False, False, True)))
 
 
-def _coverage(enforce_eager: bool, kv_int8: bool = False) -> int:
+def _coverage(enforce_eager: bool, kv_int8: bool = False, switches: bool = False) -> int:
     from tinyserve.engine.warmup import warm_up
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
@@ -218,7 +294,7 @@ def _coverage(enforce_eager: bool, kv_int8: bool = False) -> int:
         return {compile_like_the_jit(fn, a, k)[0] for fn, a, k in captured}
 
     runner = _tiny_runner(max_num_seqs=16, max_model_len=2048, enforce_eager=enforce_eager,
-                          kv_int8=kv_int8)
+                          kv_int8=kv_int8, switches=switches)
     captured.clear()
     warm_up(runner, compile_all=True)
     warm = keys()
@@ -268,7 +344,8 @@ def _coverage(enforce_eager: bool, kv_int8: bool = False) -> int:
         print(f"not warmed up: {key[0]} {diff}")
     splits = sum(1 for fn, _, _ in captured if fn.__name__ == "_split_k_sum_kernel")
     print(f"{'enforce-eager' if enforce_eager else 'decode buckets'}"
-          f"{' over int8 KV' if kv_int8 else ''}: warm-up launched "
+          f"{' over int8 KV' if kv_int8 else ''}{' with every family switch' if switches else ''}"
+          f": warm-up launched "
           f"{len(warm)} specializations; serving used {len(served)} ({splits} split-K sums), "
           f"{len(missing)} of them not warmed up")
     return 1 if missing else 0
@@ -279,9 +356,10 @@ def main() -> int:
         return warm_up_coverage()
     show_resources = "--resources" in sys.argv
     seen = set()
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, "llama3-8b"):
+    shapes = {"llama3-8b": exercise_llama3_8b, "families": exercise_families}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, *shapes):
         captured.clear()
-        exercise_llama3_8b() if dtype == "llama3-8b" else exercise(dtype)
+        shapes[dtype]() if dtype in shapes else exercise(dtype)
         for fn, args, kwargs in captured:
             key, consts, build = compile_like_the_jit(fn, args, kwargs)
             if key in seen:
