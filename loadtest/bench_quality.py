@@ -1,6 +1,7 @@
 """Quality and capacity of every weight format x KV dtype on stories260k, side by side.
 
     python loadtest/bench_quality.py [--budget 8MiB] [--seq-len 512] [--markdown]
+    python loadtest/bench_quality.py --family qwen3|gemma2 [--markdown]
 
 For fp32 and fp16 weights, int8 (per channel) and int4 (group 128) weights, each with the
 model-dtype KV cache and the int8 one, it reports against fp32 (teacher-forced, tinyserve/
@@ -10,6 +11,11 @@ continuations (temperature 0.8, ~830 predictions, where the model is less sure);
 KV bytes per token; and how many --seq-len-token sequences fit one memory budget holding the
 weights and the KV cache (as the block pool would size it: whole blocks per sequence).
 
+``--family``: the same matrix on a random-weight Qwen3 or Gemma 2 checkpoint built here with
+transformers (FAMILY_CONFIGS: q/k norm and GQA; sandwich norms, soft-caps and a window shorter
+than the texts), whose texts are the fp32 model's own samples: no trained weights of these
+families can be downloaded here, so the numbers measure numerics on an untrained model.
+
 A benchmark: it prints, it asserts nothing (the acceptance bounds live in tests/).
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined (no-op on a GPU box)
 
@@ -30,13 +37,51 @@ CONFIGS = [  # (row label, LLM keyword arguments)
 ]
 
 
-def texts(llm) -> list[list[int]]:
-    """The reference text, then sampled continuations written by the fp32 model itself."""
+_FAMILY_COMMON = dict(vocab_size=300, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=1024, initializer_range=0.05,
+                      bos_token_id=256, eos_token_id=257, pad_token_id=258)
+FAMILY_CONFIGS = {
+    "qwen3": ("Qwen3ForCausalLM", dict(rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 1e6})),
+    "gemma2": ("Gemma2ForCausalLM", dict(sliding_window=64, query_pre_attn_scalar=64,
+                                         attn_logit_softcapping=50.0,
+                                         final_logit_softcapping=30.0)),
+}
+
+
+def family_checkpoint(family: str, path) -> str:
+    """A random-weight checkpoint of ``family`` (transformers' init, norms perturbed so they
+    matter) with the demo byte tokenizer, written to ``path``."""
+    import torch
+    import transformers
+
+    from tinyserve.engine.demo import write_tokenizer
+
+    arch, kw = FAMILY_CONFIGS[family]
+    cls = getattr(transformers, arch)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        cls.config_class(**{**_FAMILY_COMMON, **kw}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(path)
+    write_tokenizer(Path(path))
+    return str(path)
+
+
+def texts(llm, family: str | None = None) -> list[list[int]]:
+    """The reference text (stories260k), then sampled continuations written by the fp32 model
+    itself."""
     from tinyserve.messages import SamplingParams
     from tinyserve.models import STORIES260K
 
-    ref = json.loads((STORIES260K / "reference.json").read_text())
-    out = [ref["prompt_token_ids"] + ref["greedy_new_token_ids"]]
+    out = []
+    if family is None:
+        ref = json.loads((STORIES260K / "reference.json").read_text())
+        out.append(ref["prompt_token_ids"] + ref["greedy_new_token_ids"])
     params = SamplingParams(max_tokens=200, temperature=0.8, seed=1, ignore_eos=True)
     for o in llm.generate(list(PROMPTS), params):
         out.append(list(o.prompt_token_ids) + list(o.token_ids))
@@ -78,7 +123,7 @@ def fit(budget: int, weight_bytes: int, bytes_per_block: int, block_size: int, s
 def main(argv: list[str] | None = None) -> None:
     from tinyserve.__main__ import parse_size
     from tinyserve.llm import LLM
-    from tinyserve.quality import compare, score
+    from tinyserve.quality import compare, mean_top_probability, score
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=parse_size, default=parse_size("8MiB"),
@@ -88,16 +133,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--big-budget", type=parse_size, default=parse_size("80GiB"),
                     help="the memory of the computed Llama-3-8B table")
     ap.add_argument("--big-seq-len", type=int, default=8192)
+    ap.add_argument("--family", choices=sorted(FAMILY_CONFIGS),
+                    help="a random-weight checkpoint of this family instead of stories260k")
     args = ap.parse_args(argv)
 
-    base = LLM(num_kv_blocks=256)
-    seqs = texts(base)
+    model = None
+    if args.family:
+        import tempfile
+
+        model = family_checkpoint(args.family, tempfile.mkdtemp(prefix=args.family))
+    base = LLM(model, num_kv_blocks=256)
+    seqs = texts(base, args.family)
     ref = [score(base, t) for t in seqs]
+    confidence = mean_top_probability(ref)
+    print(json.dumps({"fp32_mean_top_probability": round(confidence, 4)}), flush=True)
     rows = []
     for label, kw in CONFIGS:
         for kv in ("auto", "int8"):
-            llm = base if (not kw and kv == "auto") else LLM(num_kv_blocks=256, kv_cache_dtype=kv, **kw)
+            llm = base if (not kw and kv == "auto") else LLM(model, num_kv_blocks=256,
+                                                             kv_cache_dtype=kv, **kw)
             got = [score(llm, t) for t in seqs]
+            # (a family has no reference text: its first sample stands in)
             on_ref, on_all = compare(ref[:1], got[:1]), compare(ref, got)
             spec = llm.engine.runner.kv_spec
             rows.append({
@@ -114,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
             })
             print(json.dumps(rows[-1]), flush=True)
     if args.markdown:
-        print(f"\n| weights | KV | agreement, reference text | mean \\|Δlogprob\\| | agreement, "
+        print(f"\nfp32's mean probability of its top token over the texts: {confidence:.2f}")
+        first = "first sample" if args.family else "reference text"
+        print(f"\n| weights | KV | agreement, {first} | mean \\|Δlogprob\\| | agreement, "
               f"sampled | mean \\|Δlogprob\\|, sampled | weight bytes | KV bytes/token | "
               f"sequences of {args.seq_len} in {args.budget / 2**20:g} MiB |")
         print("|---|---|---|---|---|---|---|---|---|")
@@ -123,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['mean_abs_dlogprob_reference']:.4f} | {r['agreement_sampled']:.1%} | "
                   f"{r['mean_abs_dlogprob_sampled']:.4f} | {r['weight_bytes']:,} | "
                   f"{r['kv_bytes_per_token']} | {r['max_seqs']} |")
+        if args.family:
+            return
         print(f"\n| Llama-3-8B (computed) | KV | weight bytes | KV bytes/token | sequences of "
               f"{args.big_seq_len} in {args.big_budget / 2**30:g} GiB |")
         print("|---|---|---|---|---|")

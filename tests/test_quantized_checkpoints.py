@@ -1,10 +1,11 @@
 """GPTQ and AWQ 4-bit checkpoints, and --quantization int4, against a float32 reference.
 
-A random-weight Llama is built with transformers; its linear layers are quantized here
-(round to nearest) and packed by packers written in this file the way AutoGPTQ's
-QuantLinear.pack and AutoAWQ's WQLinear_GEMM.from_linear pack, independent of tinyserve's. The
-reference is the same transformers model with each linear weight replaced by this file's
-dequantization, W = (q - z) * s: the full model's logits must agree to relative L2 < 1e-3.
+A random-weight Llama (and a Qwen2, a Phi-3 and a Gemma 2) is built with transformers; its
+linear layers are quantized here (round to nearest) and packed by packers written in this file
+the way AutoGPTQ's QuantLinear.pack and AutoAWQ's WQLinear_GEMM.from_linear pack, independent
+of tinyserve's. The reference is the same transformers model with each linear weight replaced
+by this file's dequantization, W = (q - z) * s: the full model's logits must agree to relative
+L2 < 1e-3.
 """
 
 import copy
@@ -111,7 +112,7 @@ def float_checkpoint(tmp_path_factory):
     return hf, path
 
 
-def write_quantized(hf, src, dst, kind: str):
+def write_quantized(hf, src, dst, kind: str, linears: tuple[str, ...] = LINEARS):
     """kind: gptq-sym-v1, gptq-asym-v1, gptq-asym-v2 or awq. Returns the reference model."""
     method, sym, fmt = (kind.split("-") + ["", ""])[:3]
     sym = sym == "sym"
@@ -119,7 +120,7 @@ def write_quantized(hf, src, dst, kind: str):
     tensors = load_file(dst / "model.safetensors")
     ref = copy.deepcopy(hf)
     for name, module in ref.named_modules():
-        if not name.endswith(LINEARS):
+        if not name.endswith(linears):
             continue
         q, z, s = rtn(module.weight.data, sym, torch.float16)
         if method == "gptq":
@@ -288,3 +289,38 @@ def test_a_quantized_lm_head_is_refused_not_replaced_by_the_embedding(float_chec
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ModelLoadError, match="quantized LM head"):
         load_weights(path, load_model_config(path), torch.float32, "cpu")
+
+
+# Qwen2 keeps its q/k/v biases dense beside the packed codes; Phi-3 quantizes its fused
+# qkv_proj and gate_up_proj whole; Gemma 2 adds sandwich norms and soft-caps around them.
+FAMILIES = {
+    "qwen2": ("Qwen2ForCausalLM", {}, LINEARS),
+    "phi3": ("Phi3ForCausalLM", dict(pad_token_id=0), (  # (its default pad id is 32000)
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")),
+    "gemma2": ("Gemma2ForCausalLM", dict(query_pre_attn_scalar=32, sliding_window=8,
+                                         attn_logit_softcapping=20.0,
+                                         final_logit_softcapping=10.0), LINEARS),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("kind", ["gptq-asym-v2", "awq"])
+def test_quantized_checkpoints_of_other_families(tmp_path, family, kind):
+    arch, extra, linears = FAMILIES[family]
+    cls = getattr(transformers, arch)
+    torch.manual_seed(0)
+    hf = cls(cls.config_class(initializer_range=0.15, rms_norm_eps=1e-5, **CONFIG,
+                              **extra)).eval()
+    with torch.no_grad():  # biases and norms away from their zero / one init
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "float")
+    write_tokenizer(tmp_path / "float")
+    ref = write_quantized(hf, tmp_path / "float", tmp_path / kind, kind, linears)
+    engine, logits = engine_logits(tmp_path / kind)
+    assert engine.runner.model.w.quantization == kind.split("-")[0]
+    assert rel_l2(logits, hf_logits(ref, IDS)) < 1e-3, (family, kind)
+    assert rel_l2(hf_logits(hf, IDS), hf_logits(ref, IDS)) > 1e-2  # the 4-bit error is visible
+    if family == "qwen2":
+        assert engine.runner.model.w.layers[0].qkv.bias is not None

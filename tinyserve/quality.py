@@ -20,22 +20,34 @@ from tinyserve.messages import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class Scored:
-    """Per position i >= 1 of a token sequence: the top next token and logp of ids[i]."""
+    """Per position i >= 1 of a token sequence: the top next token, logp of ids[i], and the
+    top token's own logp (how sure the model is)."""
 
     top: tuple[int, ...]
     logprob: tuple[float, ...]
+    top_logprob: tuple[float, ...] = ()
 
 
 def score(llm, token_ids: Sequence[int]) -> Scored:
     """One prefill of ``token_ids`` through an ``LLM`` with prompt logprobs (top 1)."""
     out = llm.generate([list(token_ids)], SamplingParams(max_tokens=1, temperature=0.0,
                                                          prompt_logprobs=1))[0]
-    top, lp = [], []
+    top, lp, top_lp = [], [], []
     for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
         # the entry holds ids[i] and the top token: one key when they are the same
         top.append(max(entry, key=entry.__getitem__))
         lp.append(entry[token_ids[i]])
-    return Scored(tuple(top), tuple(lp))
+        top_lp.append(entry[top[-1]])
+    return Scored(tuple(top), tuple(lp), tuple(top_lp))
+
+
+def mean_top_probability(scored: Sequence[Scored]) -> float:
+    """The mean probability of the top token: near 1 a confident model, whose top token a
+    small error rarely flips; near 1 / vocabulary an unsure one."""
+    import math
+
+    probs = [math.exp(x) for s in scored for x in s.top_logprob]
+    return sum(probs) / len(probs)
 
 
 @dataclass(frozen=True, slots=True)
