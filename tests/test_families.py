@@ -351,3 +351,26 @@ def test_int8_int4_weights_and_int8_kv(name, tmp_path):
               kv_cache_dtype="int8")
     a = compare([score(fp32, text)], [score(kv8, text)])
     assert a.agreement >= 0.95 and 0 < a.mean_abs_dlogprob < 0.05, (name, a)
+
+
+def test_a_window_on_every_layer_keeps_a_long_sequence_in_a_few_blocks(tmp_path):
+    """Mistral with a window of 24 on every layer: a 40-token prompt and 80 greedy tokens (120
+    positions, 8 blocks of 16 without the window) run in a pool of 5 blocks, equal to
+    transformers; while decoding the pool holds at most the window's 3 blocks (24 positions
+    straddle at most 3) and the one being written, and it is empty at the end."""
+    hf = build("mistral_window", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=5, block_size=BLOCK,
+              max_model_len=128, max_num_batched_tokens=16)
+    ids = prompt(9, 40)
+    req = llm.core.add_request(0, ids, SamplingParams(max_tokens=80, temperature=0.0,
+                                                      min_tokens=80))
+    pool, in_use = llm.core.kv.pool, []
+    while llm.core.has_unfinished:
+        plan = llm.core.schedule()
+        llm.core.process(plan, llm.engine.runner.execute(plan))
+        in_use.append((req.seq.num_computed_tokens, pool.num_in_use))
+    out = llm.core.release(req.request_id)
+    assert list(out.seq.output_token_ids) == hf_greedy(hf, ids, 80)[0]
+    decoding = [n for computed, n in in_use if computed > len(ids)]
+    assert max(decoding) <= 3 + 1, in_use
+    assert pool.num_in_use == 0 and llm.core.scheduler.num_preemptions == 0

@@ -13,6 +13,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import STORIES_DIR
+from tests.test_chat_templates import CHATS as LLAMA_CHATS
+from tests.test_chat_templates import TOOLS
 from tinyserve.api.errors import ApiError
 from tinyserve.api.tool_parsers import ToolStreamParser, parse_tool_calls
 from tinyserve.text.tokenizer import Tokenizer
@@ -20,18 +22,8 @@ from tinyserve.text.tokenizer import Tokenizer
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city (été, <b>)",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
 CHATS = {
-    "user": [{"role": "user", "content": "Hello there"}],
-    "system+turns": [{"role": "system", "content": "  Be brief.  "},
-                     {"role": "user", "content": "Hi"},
-                     {"role": "assistant", "content": " Hello! "},
-                     {"role": "user", "content": "Tell me a story about <tags> & \"quotes\""}],
-    "turns": [{"role": "user", "content": "One"}, {"role": "assistant", "content": "Two"},
-              {"role": "user", "content": "Three"}],
+    **LLAMA_CHATS,
     "thinking": [{"role": "user", "content": "2+2?"},
                  {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
                  {"role": "user", "content": "and 3+3?"}],

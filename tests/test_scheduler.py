@@ -11,6 +11,7 @@ import hashlib
 
 import pytest
 
+from tinyserve.config import min_kv_blocks
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
@@ -495,7 +496,7 @@ def test_a_window_on_every_layer_bounds_the_blocks_a_sequence_holds():
 
     reference = run(*make_scheduler(num_blocks=64, budget=8), requests())
     sched, ex = make_scheduler(num_blocks=7, budget=8, window=8)
-    assert Scheduler.blocks_one_sequence_may_hold(sched.cfg, sched.kv) == 7
+    assert min_kv_blocks(64, 4, 8, 8) == 7 and min_kv_blocks(64, 4, None, 8) == 16
     most = []
 
     def held(plan):

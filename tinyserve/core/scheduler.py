@@ -23,7 +23,7 @@ Both lists stay sorted by ``_order``: (-priority, seq_id), and seq ids grow with
 
 A sequence that fits max_model_len always fits an empty pool (the config checks
 num_blocks * block_size >= max_model_len, or with a window on every layer, that the pool
-holds a window and two steps: ``blocks_one_sequence_may_hold``), so preemption always ends
+holds a window and two steps: ``config.min_kv_blocks``), so preemption always ends
 and nothing is lost.
 """
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from tinyserve.config import min_kv_blocks
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.sequence import SeqStatus, Sequence, mix_seed
 from tinyserve.messages import PLACEHOLDER, FieldError, ScheduledSeq, StepPlan, StepResult
@@ -62,7 +63,8 @@ def _order(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
-        if kv.pool.num_blocks < self.blocks_one_sequence_may_hold(cfg, kv):
+        if kv.pool.num_blocks < min_kv_blocks(cfg.max_model_len, kv.block_size, kv.window,
+                                              cfg.max_num_batched_tokens):
             raise ValueError(f"the KV pool holds {kv.pool.num_blocks * kv.block_size} tokens, fewer "
                              f"than max_model_len {cfg.max_model_len}: one long request could "
                              "never run. Add KV blocks or lower max_model_len.")
@@ -128,17 +130,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @staticmethod
-    def blocks_one_sequence_may_hold(cfg: SchedulerConfig, kv: KVCacheManager) -> int:
-        """The most blocks one sequence holds at once: its whole context, or with a window on
-        every layer, the window behind its next token plus a step in flight and the step being
-        planned (each at most the token budget), one block of slack at either end."""
-        whole = -(-cfg.max_model_len // kv.block_size)
-        if kv.window is None:
-            return whole
-        span = kv.window - 1 + 2 * cfg.max_num_batched_tokens
-        return min(whole, -(-span // kv.block_size) + 1)
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinyserve.config import EngineConfig
+from tinyserve.config import EngineConfig, min_kv_blocks
 from tinyserve.engine.device import select_device
 
 log = logging.getLogger(__name__)
@@ -90,10 +90,15 @@ class DeviceEngine:
                                 mcfg.head_dim, dtype, kv_int8)
         num_blocks = self._num_kv_blocks(cfg, mcfg, one_block.bytes_per_block, dtype.itemsize,
                                          max_model_len)
-        min_blocks = -(-max_model_len // cfg.block_size)
+        window = mcfg.sliding_window if mcfg.every_layer_windowed else None
+        min_blocks = min_kv_blocks(max_model_len, cfg.block_size, window,
+                                   cfg.max_num_batched_tokens)
         if num_blocks < min_blocks:
+            held = f"a window of {window} and two steps of {cfg.max_num_batched_tokens} tokens" \
+                if min_blocks < -(-max_model_len // cfg.block_size) else \
+                f"one max_model_len={max_model_len} sequence"
             raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {cfg.block_size} tokens cannot "
-                             f"hold one max_model_len={max_model_len} sequence ({min_blocks} needed)")
+                             f"hold {held} ({min_blocks} needed)")
         spec = dataclasses.replace(one_block, num_blocks=num_blocks)
 
         self.model_config = mcfg
