@@ -122,7 +122,8 @@ def test_qwen3_thinking_switch_through_the_api_path(hf):
         tok = decode_request(json.dumps({k: v for k, v in body.items() if k != "model"}
                                         ).encode(), TokenizeRequest)
         assert asyncio.run(parser.tokenize(tok)) == ids[0]
-    for bad in ({"messages": []}, {"bos_token": "x"}, {"not a name": 1}):
+    for bad in ({"messages": []}, {"bos_token": "x"}, {"not a name": 1}, {"self": 1},
+                {"sep_token": "x"}):
         body = {"model": "m", "messages": messages, "chat_template_kwargs": bad}
         with pytest.raises(ApiError) as e:
             asyncio.run(parse(parser, decode_request(json.dumps(body).encode(),

@@ -35,7 +35,8 @@ MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each is a request 
 # tokenizer's special tokens, the sandbox's functions)
 RESERVED_TEMPLATE_NAMES = frozenset({
     "messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
-    "unk_token", "pad_token", "raise_exception", "strftime_now"})
+    "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "raise_exception",
+    "strftime_now", "self"})
 
 
 class PromptParser:

@@ -63,11 +63,14 @@ def _order(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
-        if kv.pool.num_blocks < min_kv_blocks(cfg.max_model_len, kv.block_size, kv.window,
-                                              cfg.max_num_batched_tokens):
-            raise ValueError(f"the KV pool holds {kv.pool.num_blocks * kv.block_size} tokens, fewer "
-                             f"than max_model_len {cfg.max_model_len}: one long request could "
-                             "never run. Add KV blocks or lower max_model_len.")
+        need = min_kv_blocks(cfg.max_model_len, kv.block_size, kv.window,
+                             cfg.max_num_batched_tokens)
+        if kv.pool.num_blocks < need:
+            what = f"max_model_len {cfg.max_model_len}" if kv.window is None else (
+                f"a window of {kv.window} and two steps of {cfg.max_num_batched_tokens} tokens")
+            raise ValueError(f"the KV pool holds {kv.pool.num_blocks} blocks, fewer than {need} "
+                             f"for {what}: one long request could never run. Add KV blocks or "
+                             "lower max_model_len.")
         self.cfg = cfg
         self.kv = kv
         self.waiting: list[Sequence] = []  # both sorted by _order

@@ -100,26 +100,38 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _rope(raw: dict[str, Any], params: dict[str, Any] | None, default_theta: float
-          ) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling or None) from a transformers-5 ``rope_parameters`` block, else the
-    classic top-level rope_theta / rope_scaling."""
+def _rope(raw: dict[str, Any], params: dict[str, Any] | None, default_theta: float,
+          family: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from one rope block (rope_scaling wins over rope_parameters, as
+    in transformers), theta falling back to the top-level rope_theta. Phi-3's "su" and "yarn"
+    (with short / long factors) are transformers' longrope."""
     params = params or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta") or default_theta))
-    scaling = params if params else raw.get("rope_scaling")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
-    return theta, scaling or None
+    scaling = None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if family == "phi3" and kind in ("su", "yarn") and "long_factor" in params:
+        kind = "longrope"
+    if kind != "default":
+        scaling = {**params, "rope_type": kind}
+        if kind in ("llama3", "yarn", "longrope"):  # the pretraining length (transformers'
+            top = raw.get("original_max_position_embeddings")  # rule: the top-level key wins)
+            if top is not None:
+                scaling["original_max_position_embeddings"] = top
+            else:
+                scaling.setdefault("original_max_position_embeddings",
+                                   raw.get("max_position_embeddings"))
+    return theta, scaling
 
 
 def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str, ...]:
     """config.json's layer_types, else what transformers derives for the family."""
     given = raw.get("layer_types")
-    if given:
+    if family == "llama":  # transformers' Llama has no window, whatever the config says
+        return ()
+    if given and not (family in ("qwen2", "qwen3") and not raw.get("use_sliding_window")):
         return tuple(given)
     window = raw.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3"):  # (no window unless use_sliding_window, whatever else)
         if not raw.get("use_sliding_window") or window is None:
             return ()
         first = int(raw.get("max_window_layers", 28))
@@ -132,7 +144,7 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
         pattern = int(raw.get("sliding_window_pattern", 6))
         return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
                      for i in range(num_layers))
-    if window is not None:  # Mistral, Phi-3 (and a Llama with a window): every layer
+    if window is not None:  # Mistral, Phi-3: every layer
         return ("sliding_attention",) * num_layers
     return ()
 
@@ -158,6 +170,20 @@ def _switches(raw: dict[str, Any], family: str, head_dim: int, hidden: int) -> d
     return out
 
 
+# What transformers' config classes assume for a key a config.json leaves out (where that is
+# not Llama's default): a hand-written config must not silently compute another model.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "qwen3": {"head_dim": 128},
+    "gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+               "head_dim": 256, "sliding_window": 4096},
+    "gemma3_text": {"query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "head_dim": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0},
+    "phi3": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+}
+
+
 def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
     """Config keys that change the computation in ways this forward pass does not do."""
     if raw.get("use_bidirectional_attention"):
@@ -171,17 +197,27 @@ def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
         raise ModelLoadError(f"{path}: quantization_config.modules_to_not_convert is not supported")
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"{model_dir}: not a directory")
+def load_model_config(model: str | Path) -> ModelConfig:
+    """A Hugging Face directory's config.json (and generation_config.json)."""
+    model = Path(model)
+    path = model / "config.json"
+    if not model.is_dir():
+        raise ModelLoadError(f"{model}: not a directory (a Hugging Face model directory or a "
+                             ".gguf file)")
     if not path.exists():
         raise ModelLoadError(f"{path}: missing (expected a Hugging Face config.json)")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+    gen_path = model / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    return model_config_from(raw, gen, path)
+
+
+def model_config_from(raw: dict[str, Any], gen: dict[str, Any], path: Path) -> ModelConfig:
+    """config.json's keys (and generation_config.json's) -> ModelConfig; ``path`` names the
+    source in errors."""
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in FAMILIES), None)
     if arch is None and raw.get("model_type") in FAMILIES.values():
@@ -190,9 +226,10 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
                              f"tinyserve serves {', '.join(FAMILIES)}")
     family = FAMILIES[arch]
+    raw = {**FAMILY_DEFAULTS.get(family, {}), **raw}
     _refuse(raw, family, path)
     try:
-        cfg = _parse(raw, arch, family, model_dir)
+        cfg = _parse(raw, arch, family, gen)
     except KeyError as e:
         raise ModelLoadError(f"{path}: required field {e.args[0]!r} is missing") from e
     except ValueError as e:
@@ -201,26 +238,23 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return cfg
 
 
-def _parse(raw: dict[str, Any], arch: str, family: str, model_dir: Path) -> ModelConfig:
+def _parse(raw: dict[str, Any], arch: str, family: str, gen: dict[str, Any]) -> ModelConfig:
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     head_dim = int(raw.get("head_dim") or hidden // heads)
-    params = raw.get("rope_parameters") or {}
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     layered = "full_attention" in params or "sliding_attention" in params  # (Gemma 3)
     theta, scaling = _rope(raw, params.get("full_attention") if layered else params,
-                           1_000_000.0 if family == "gemma3_text" else 10000.0)
+                           1_000_000.0 if family == "gemma3_text" else 10000.0, family)
     local_theta = local_scaling = None
     if family == "gemma3_text":
         local = params.get("sliding_attention") if layered else {
             "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
-        local_theta, local_scaling = _rope({}, local, 10000.0)
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+        local_theta, local_scaling = _rope({}, local, 10000.0, family)
+    partial = next((float(v) for v in (params.get("partial_rotary_factor"),
+                                       (raw.get("rope_parameters") or {}).get("partial_rotary_factor"),
+                                       raw.get("partial_rotary_factor")) if v is not None), 1.0)
     num_layers = int(raw["num_hidden_layers"])
     layer_types = _layer_types(raw, family, num_layers)
-    gen_path = model_dir / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    if scaling and scaling["rope_type"] == "longrope":  # (Phi-3: the key may sit at top level)
-        scaling.setdefault("original_max_position_embeddings",
-                           raw.get("original_max_position_embeddings"))
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
