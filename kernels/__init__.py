@@ -15,7 +15,8 @@ from tinyserve.kernels.activation import silu_and_mul  # noqa: E402
 from tinyserve.kernels.attention_decode import token_attention_paged  # noqa: E402
 from tinyserve.kernels.attention_prefill import context_attention_paged  # noqa: E402
 from tinyserve.kernels.embedding import gather_rows  # noqa: E402
-from tinyserve.kernels.int4_matmul import int4_matmul, quantize_int4  # noqa: E402
+from tinyserve.kernels.group_matmul import int4_matmul, int8_group_matmul  # noqa: E402
+from tinyserve.kernels.int4_pack import quantize_int4  # noqa: E402
 from tinyserve.kernels.kv_cache import update_block_table, write_kv_cache  # noqa: E402
 from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
 from tinyserve.kernels.penalties import apply_penalties  # noqa: E402
@@ -30,6 +31,7 @@ __all__ = [
     "context_attention_paged",
     "gather_rows",
     "int4_matmul",
+    "int8_group_matmul",
     "int8_matmul",
     "matmul",
     "quantize_int4",

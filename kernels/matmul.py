@@ -168,7 +168,7 @@ def sum_split_k(partials: torch.Tensor, scale: torch.Tensor | None, bias: torch.
 
 def _tiles(N: int, K: int, dtype: torch.dtype, w_int8: bool) -> tuple[int, int, int, int]:
     if INTERPRET:  # few, large programs: cost is ~ programs x ops, not FLOPs
-        return 64, min(512, max(16, next_pow2(N))), min(256, max(16, next_pow2(K))), 1
+        return 64, min(2048, max(16, next_pow2(N))), min(256, max(16, next_pow2(K))), 1
     if dtype == torch.float32:  # ieee fp32 runs on FMA units: smaller tiles avoid spills
         return 32, 64, 32, 8
     # int8 weights: half the bytes per K step, so twice the K per tile for the same load size

@@ -76,7 +76,7 @@ def dequantized(hf, model):
     import copy
 
     from tinyserve.engine.loader import Int4Linear
-    from tinyserve.kernels.int4_matmul import dequantize_int4
+    from tinyserve.kernels.int4_pack import dequantize_int4
 
     def w(lin) -> torch.Tensor:
         if isinstance(lin, Int4Linear):

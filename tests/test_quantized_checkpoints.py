@@ -32,7 +32,7 @@ from tinyserve.engine.loader import (  # noqa: E402
 )
 from tinyserve.engine.model_config import ModelLoadError, load_model_config  # noqa: E402
 from tinyserve.engine.quantized_checkpoints import parse_quantization_config, repack  # noqa: E402
-from tinyserve.kernels.int4_matmul import unpack_int4  # noqa: E402
+from tinyserve.kernels.int4_pack import unpack_int4  # noqa: E402
 
 G = 128
 # Every in_features a multiple of 128 (D, Hq * Dh, I), GQA 2:1; out_features multiples of 8.
@@ -173,7 +173,7 @@ def test_quantized_checkpoint_matches_its_dequantized_weights(float_checkpoint, 
 def test_quantization_int4_of_a_float_checkpoint(float_checkpoint):
     """Asymmetric groups of 128, fp32 scales on an fp32 model; weights ~ 0.54 bytes each. The
     reference model gets the loaded codes, zeros and scales unpacked here (the quantizer's
-    choices, clip search included, are tests/kernels/test_int4_matmul.py's), and those
+    choices, clip search included, are tests/kernels/test_group_matmul.py's), and those
     weights must be a quantization of the float ones."""
     hf, path = float_checkpoint
     engine, logits = engine_logits(path, quantization="int4")

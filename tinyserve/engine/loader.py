@@ -61,8 +61,9 @@ class Linear:
 
 @dataclass(slots=True)
 class Int4Linear:
-    """int4_matmul's layout (kernels/int4_matmul.py): W[n, k] = (q[n, k] - zeros[n, g]) *
-    scales[n, g], g = k // group_size, in_features padded to whole groups."""
+    """int4_matmul's layout (kernels/group_matmul.py): W[n, k] = (q[n, k] - zeros[n, g]) *
+    scales[n, g], or q[n, k] * scales[n, g] + mins[n, g] (GGUF's Q4_1 / Q4_K), g = k //
+    group_size, in_features padded to whole groups."""
 
     qweight: torch.Tensor  # [out, in_pad / 8] int32, 8 codes a word along in
     scales: torch.Tensor  # [out, in_pad / group_size] float
@@ -70,6 +71,7 @@ class Int4Linear:
     group_size: int
     in_features: int
     bias: torch.Tensor | None = None  # [out], the model dtype
+    mins: torch.Tensor | None = None  # [out, in_pad / group_size] float, instead of zeros
 
     @property
     def numel(self) -> int:
@@ -77,17 +79,42 @@ class Int4Linear:
 
     @property
     def nbytes(self) -> int:
-        return _bytes(self.qweight, self.scales, self.zeros, self.bias)
+        return _bytes(self.qweight, self.scales, self.zeros, self.mins, self.bias)
+
+
+@dataclass(slots=True)
+class Int8GroupLinear:
+    """int8_group_matmul's layout (kernels/group_matmul.py): W[n, k] = codes[n, k] *
+    scales[n, g] (+ mins[n, g]): GGUF's Q8_0, Q5_0 / Q5_1 / Q5_K and Q6_K, whose codes fit a
+    byte, kept exactly."""
+
+    codes: torch.Tensor  # [out, in_pad] int8
+    scales: torch.Tensor  # [out, in_pad / group_size] float
+    mins: torch.Tensor | None
+    group_size: int
+    in_features: int
+    bias: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.codes.shape[0] * self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.codes, self.scales, self.mins, self.bias)
+
+
+AnyLinear = Linear | Int4Linear | Int8GroupLinear
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: Linear | Int4Linear  # [(Hq + 2 Hk) * Dh, D]
-    o: Linear | Int4Linear  # [D, Hq * Dh]
+    qkv: AnyLinear  # [(Hq + 2 Hk) * Dh, D]
+    o: AnyLinear  # [D, Hq * Dh]
     post_norm: torch.Tensor  # [D]: before the MLP; with sandwich norms, after attention
-    gate_up: Linear | Int4Linear  # [2I, D]
-    down: Linear | Int4Linear  # [D, I]
+    gate_up: AnyLinear  # [2I, D]
+    down: AnyLinear  # [D, I]
     pre_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
     post_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
     q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3)
@@ -104,21 +131,21 @@ class ModelWeights:
     embed: torch.Tensor  # [V, D]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [D]
-    lm_head: Linear  # [V, D], the embedding itself when tied
-    quantization: str | None = None  # how the linear layers are stored: int8, int4, gptq, awq
+    lm_head: AnyLinear  # [V, D], the embedding itself when tied (or its GGUF codes)
+    # how the linear layers are stored: int8, int4, gptq, awq, gguf
+    quantization: str | None = None
 
     def nbytes(self, as_float: torch.dtype | None = None) -> int:
         """Bytes of all weights; with ``as_float``, as if no linear layer were quantized."""
-        def lin_bytes(lin: Linear | Int4Linear) -> int:
-            return lin.numel * as_float.itemsize if as_float else lin.nbytes
+        def lin_bytes(lin: AnyLinear) -> int:
+            return lin.numel * as_float.itemsize + _bytes(lin.bias) if as_float else lin.nbytes
 
         total = _bytes(self.embed, self.norm)
-        if self.lm_head.weight is not self.embed:
+        if getattr(self.lm_head, "weight", None) is not self.embed:
             total += lin_bytes(self.lm_head)
         for layer in self.layers:
             total += _bytes(*layer.norms)
-            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            total += sum(lin_bytes(x) for x in lins) + _bytes(*(x.bias for x in lins))
+            total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
         return total
 
 
@@ -143,7 +170,7 @@ def quantize_int4_linear(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
     """w: [out, in] float -> Int4Linear, groups of INT4_GROUP_SIZE (the last may be partial).
     Scales in fp16 as GPTQ / AWQ store them (bf16's 8-bit mantissa would add up to 0.4% to
     every weight's error), fp32 when the model runs in fp32."""
-    from tinyserve.kernels.int4_matmul import quantize_int4  # (see repack: not at import)
+    from tinyserve.kernels.int4_pack import quantize_int4  # (see repack: not at import)
 
     qweight, scales, zeros = quantize_int4(w, INT4_GROUP_SIZE, INT4_SYMMETRIC, INT4_CLIP_SEARCH)
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyserve.engine.kv_cache import KVCache, LayerKV
-from tinyserve.engine.loader import Int4Linear, LayerWeights, Linear, ModelWeights
+from tinyserve.engine.loader import AnyLinear, Int4Linear, Int8GroupLinear, LayerWeights, ModelWeights
 from tinyserve.engine.model_config import ModelConfig
 from tinyserve.engine.rope import RopeTables
 from tinyserve.kernels import (
@@ -40,6 +40,7 @@ from tinyserve.kernels import (
     context_attention_paged,
     gather_rows,
     int4_matmul,
+    int8_group_matmul,
     int8_matmul,
     matmul,
     rotary_and_write_kv,
@@ -71,13 +72,16 @@ class ForwardBatch:
 
 
 
-def linear(x: torch.Tensor, lin: Linear | Int4Linear, out: torch.Tensor | None = None,
+def linear(x: torch.Tensor, lin: AnyLinear, out: torch.Tensor | None = None,
            softcap: float | None = None) -> torch.Tensor:
-    """x: [T, in] -> [T, out], by the way ``lin`` is stored (float, int8, or int4); its bias
-    (and a soft-cap) in the epilogue."""
+    """x: [T, in] -> [T, out], by the way ``lin`` is stored (float, int8 per channel, int4 or
+    int8 group-wise); its bias (and a soft-cap) in the epilogue."""
     if isinstance(lin, Int4Linear):
-        return int4_matmul(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, out=out,
-                           bias=lin.bias, softcap=softcap)
+        return int4_matmul(x, lin.qweight, lin.scales, lin.zeros, lin.group_size, mins=lin.mins,
+                           out=out, bias=lin.bias, softcap=softcap)
+    if isinstance(lin, Int8GroupLinear):
+        return int8_group_matmul(x, lin.codes, lin.scales, lin.group_size, mins=lin.mins,
+                                 out=out, bias=lin.bias, softcap=softcap)
     if lin.scale is not None:
         return int8_matmul(x, lin.weight, lin.scale, out=out, bias=lin.bias, softcap=softcap)
     return matmul(x, lin.weight, out=out, bias=lin.bias, softcap=softcap)

@@ -1,5 +1,5 @@
 """GPTQ and AWQ 4-bit checkpoints: their ``quantization_config``, and their tensors repacked on
-the host into int4_matmul's layout (kernels/int4_matmul.py). Both formats mean W = (q - z) * s
+the host into int4_matmul's layout (kernels/group_matmul.py). Both formats mean W = (q - z) * s
 with integer codes q and zero points z in groups of G along K, as int4_matmul does, so a load
 only moves nibbles.
 
@@ -91,7 +91,7 @@ def repack(fmt: QuantFormat, t: dict[str, torch.Tensor]
     [N, K / G] as stored, zeros [N, K / G] uint8), W = (q - zeros) * scales."""
     # (imported here: importing tinyserve.kernels fixes TRITON_INTERPRET, and config parsing
     # must not do that before the device is chosen)
-    from tinyserve.kernels.int4_matmul import pack_int4, unpack_int4
+    from tinyserve.kernels.int4_pack import pack_int4, unpack_int4
 
     for name in ("qweight", "qzeros"):
         if t[name].dtype != torch.int32:

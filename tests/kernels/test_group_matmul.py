@@ -1,4 +1,5 @@
-"""int4 group-wise dequant-matmul against a float32 torch reference, and the int4 packing helpers.
+"""Group-wise dequant-matmuls (int4 codes with zero points or float minimums, int8 codes with
+or without minimums) against a float32 torch reference, and the int4 packing helpers.
 
 The reference packer / unpacker here is written independently of the module's (arithmetic on
 uint32 values instead of shifts), so a layout mistake in either shows up as a mismatch.
@@ -7,7 +8,8 @@ uint32 values instead of shifts), so a layout mistake in either shows up as a mi
 import pytest
 import torch
 
-from tinyserve.kernels.int4_matmul import dequantize_int4, int4_matmul, quantize_int4
+from tinyserve.kernels.group_matmul import int4_matmul, int8_group_matmul
+from tinyserve.kernels.int4_pack import dequantize_int4, quantize_int4
 from tinyserve.kernels.utils import cdiv
 
 # (M, N, K, group_size): N never a multiple of the tile; K / group_size from 1 to 32 groups;
@@ -200,7 +202,7 @@ def test_gpu_tiles_and_grouped_grid_through_the_interpreter(device, monkeypatch)
     32 for fp32, split-K in both modes) against the reference; K = 488 ends in a partial group."""
     import sys
 
-    mod = sys.modules["tinyserve.kernels.int4_matmul"]
+    mod = sys.modules["tinyserve.kernels.group_matmul"]
     monkeypatch.setattr(mod, "INTERPRET", False)
     g = torch.Generator().manual_seed(6)
     qweight, scales, z = random_weight(150, 488, 64, "float", torch.float32, g)
@@ -231,7 +233,7 @@ def _args(**change):
     (dict(x=torch.randn(2, 96)), "inner sizes"),  # 96 needs 3 groups of 32, qweight holds 4
     (dict(scales=torch.ones(8, 3)), "scales must be"),
     (dict(scales=torch.ones(8, 4, dtype=torch.int32)), "scales must be fp16"),
-    (dict(zeros=torch.zeros(8, 5)), "zeros must be"),
+    (dict(zeros=torch.zeros(8, 5)), "zeros / mins must be"),
     (dict(x=torch.zeros(2, 128, dtype=torch.int32)), "x must be"),
     (dict(x=torch.randn(128)), r"x must be \[M, K\]"),
 ])
@@ -280,3 +282,95 @@ def test_bias_and_softcap_epilogue(device, split, cap):
     got = int4_matmul(x, qweight, scales, z, 64, bias=bias, softcap=cap, split_k=split[0],
                       split_grid=split[1])
     torch.testing.assert_close(got.cpu(), ref, atol=2e-4, rtol=1e-5)
+
+
+# ---- float minimums (GGUF's Q4_1 / Q4_K: W = q * scale + min) and int8 codes (Q8_0, Q5_*, Q6_K)
+
+
+def gguf_like(N, K, G, bits, with_mins, dtype, g):
+    """Codes as GGUF's formats hold them: int4 in [0, 15]; int8 signed (Q8_0: [-127, 127]) or,
+    with minimums, unsigned 5-bit; scales like fp16 block scales, minimums of either sign."""
+    groups = cdiv(K, G)
+    if bits == 4:
+        q = torch.randint(0, 16, (N, groups * G), generator=g)
+        codes = pack_ref(q)
+    elif with_mins:
+        q = torch.randint(0, 32, (N, groups * G), generator=g)
+        codes = q.to(torch.int8)
+    else:
+        q = torch.randint(-127, 128, (N, groups * G), generator=g)
+        codes = q.to(torch.int8)
+    scales = (0.001 + 0.01 * torch.rand(N, groups, generator=g)).to(dtype)
+    mins = (torch.rand(N, groups, generator=g) - 0.5).to(dtype) * 0.1 if with_mins else None
+    w = q.double() * scales.double().repeat_interleave(G, 1)
+    if mins is not None:
+        w = w + mins.double().repeat_interleave(G, 1)
+    return codes, scales, mins, w.float()
+
+
+# (M, N, K, G): SmolLM2's 576 / 1536 with GGUF's 32 and Q6_K's 16, a partial group, one group
+GGUF_SHAPES = [(1, 96, 576, 32), (5, 200, 1536, 16), (17, 130, 200, 32), (3, 64, 32, 32)]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("bits,with_mins", [(4, True), (8, False), (8, True)])
+@pytest.mark.parametrize("M,N,K,G", GGUF_SHAPES)
+def test_gguf_forms(device, dtype, atol, rtol, bits, with_mins, M, N, K, G):
+    g = torch.Generator().manual_seed(M * 7 + N + K + G + bits)
+    codes, scales, mins, w = gguf_like(N, K, G, bits, with_mins, torch.float32, g)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    ref = x.float() @ w[:, :K].T
+    args = (x.to(device), codes.to(device), scales.to(device))
+    m = None if mins is None else mins.to(device)
+    if bits == 4:
+        y = int4_matmul(*args, group_size=G, mins=m)
+    else:
+        y = int8_group_matmul(*args, G, mins=m)
+    assert y.dtype == dtype and y.shape == (M, N)
+    scale = max(1.0, float(ref.abs().max()))  # int8 codes make larger sums
+    torch.testing.assert_close(y.cpu().float() / scale, ref / scale, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("bits,with_mins", [(4, True), (8, True), (8, False)])
+def test_one_group_per_tile_equals_several(device, bits, with_mins):
+    """The GPU keeps a K tile inside one group; the interpreter's tiles hold several groups
+    (their scales broadcast): the same products, summed in other tiles, so equal to fp32
+    rounding."""
+    g = torch.Generator().manual_seed(bits)
+    codes, scales, mins, w = gguf_like(40, 576, 32, bits, with_mins, torch.float32, g)
+    x = torch.randn(6, 576, generator=g).to(device)
+    fn = int4_matmul if bits == 4 else int8_group_matmul
+    kw = dict(group_size=32, mins=None if mins is None else mins.to(device))
+    args = (x, codes.to(device), scales.to(device))
+    narrow = fn(*args, **kw, tiles=(64, 64, 32, 1))
+    wide = fn(*args, **kw, tiles=(64, 64, 64, 1))
+    torch.testing.assert_close(narrow, wide, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(wide.cpu(), x.cpu() @ w.T, atol=1e-4, rtol=1e-5)
+
+
+def test_gguf_forms_with_an_epilogue_and_split_k(device):
+    g = torch.Generator().manual_seed(9)
+    codes, scales, mins, w = gguf_like(150, 640, 32, 8, True, torch.float32, g)
+    x = torch.randn(7, 640, generator=g)
+    bias = torch.randn(150, generator=g)
+    ref = 3.0 * torch.tanh((x @ w.T + bias) / 3.0)
+    dev = [t.to(device) for t in (x, codes, scales, mins, bias)]
+    for split, grid in ((1, False), (2, True), (2, False)):
+        y = int8_group_matmul(dev[0], dev[1], dev[2], 32, mins=dev[3], bias=dev[4], softcap=3.0,
+                              split_k=split, split_grid=grid)
+        torch.testing.assert_close(y.cpu(), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_bad_gguf_form_inputs_raise():
+    x, scales = torch.randn(2, 64), torch.ones(8, 2)
+    with pytest.raises(ValueError, match="codes must be int8"):
+        int8_group_matmul(x, torch.zeros(8, 64, dtype=torch.uint8), scales, 32)
+    with pytest.raises(ValueError, match="zeros or mins, not both"):
+        int4_matmul(x, torch.zeros(8, 8, dtype=torch.int32), scales, torch.zeros(8, 2), 32,
+                    mins=torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="zeros / mins must be"):
+        int8_group_matmul(x, torch.zeros(8, 64, dtype=torch.int8), scales, 32,
+                          mins=torch.zeros(8, 3))
+    with pytest.raises(ValueError, match="whole groups or lie inside one"):
+        int8_group_matmul(x, torch.zeros(8, 64, dtype=torch.int8), scales, 32,
+                          tiles=(16, 16, 48, 1))
