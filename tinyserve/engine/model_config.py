@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinyserve.gguf_file import is_gguf
+
 FAMILIES = {  # architecture -> model_type
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
 }
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope",
+              "freq_factors")  # (the last: GGUF's rope_freqs, never a config.json key)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
@@ -198,8 +201,18 @@ def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
-    """A Hugging Face directory's config.json (and generation_config.json)."""
+    """A Hugging Face directory's config.json (and generation_config.json), or a GGUF file's
+    metadata read into the same keys (gguf_config.py)."""
     model = Path(model)
+    if is_gguf(model):
+        from tinyserve.engine.gguf_config import gguf_raw_config
+        from tinyserve.gguf_file import GGUFError, GGUFFile
+
+        try:
+            raw, gen = gguf_raw_config(GGUFFile(model))
+        except GGUFError as e:
+            raise ModelLoadError(str(e)) from e
+        return model_config_from(raw, gen, model)
     path = model / "config.json"
     if not model.is_dir():
         raise ModelLoadError(f"{model}: not a directory (a Hugging Face model directory or a "

@@ -10,6 +10,8 @@ in the table and the rotary kernel never changes:
     dynamic   NTK: theta grows with the sequence length once it passes max_position_embeddings
     longrope  inv_freq / short_factor below original_max_position_embeddings, / long_factor
               from it; cos and sin times sqrt(1 + ln(factor) / ln(original))
+    freq_factors  inv_freq / a factor per frequency (a GGUF's rope_freqs tensor: llama.cpp
+              stores llama3 scaling so)
 
 dynamic and longrope are where transformers recomputes the frequencies in the forward pass,
 from the batch's longest position (``dynamic_rope_update``). Here each table row is computed
@@ -55,6 +57,8 @@ def inv_freq(theta: float, scaling: dict[str, Any] | None, dim: int,
         return 1.0 / (grown ** exps), 1.0
     if kind == "longrope":
         return _longrope(theta, scaling, exps, max_position_embeddings, seq_len)
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor (llama.cpp's llama3 scaling)
+        return base / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
     raise ValueError(f"rope type {kind!r} is not supported")
 
 
