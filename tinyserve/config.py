@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinyserve.gguf_file import GGUFError, GGUFFile, held_bytes, is_gguf
+
 BUNDLED = "stories260k"  # as a model directory: the model inside the package (if no such dir)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "int8", "int4")
@@ -29,6 +31,7 @@ class EngineConfig:
     # weight-only: "int8" per output channel, "int4" group-wise (128); a GPTQ / AWQ checkpoint
     # is recognised by its config.json and needs none
     quantization: str | None = None
+    dequantize: bool = False  # a GGUF file's weights as floats in dtype, not its quantized forms
     kv_cache_dtype: str = "auto"  # "int8": K and V as int8, a scale per token and KV head
     device: str | None = None  # "cuda" / "cpu"; None: cuda if available
     block_size: int = 16  # tokens per KV block
@@ -147,14 +150,14 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
     memory, each model takes its share of what is left when it loads, after reserving the
     weights of the models still to load."""
     if not model_args:
-        name = served_model_name or Path(base.resolved_model).name
+        name = served_model_name or _model_name(base.resolved_model)
         return (ModelSpec(name, base),)
     parsed = [parse_model_arg(a) for a in model_args]
     if served_model_name and len(parsed) > 1:
         raise ValueError("--served-model-name names one model; with several, use --model NAME=DIR")
     specs: list[tuple[str, str, dict[str, str]]] = []
     for name, path, options in parsed:  # (NAME= is checked; any other name is as given)
-        name = name or served_model_name or Path(path).name
+        name = name or served_model_name or _model_name(path)
         specs.append((name, path, options))
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
@@ -198,12 +201,23 @@ def build_models(base: EngineConfig, model_args: list[str] | tuple[str, ...],
     return tuple(out)
 
 
+def _model_name(path: str) -> str:
+    """The name a model is served as by default: its directory's, or its GGUF file's stem."""
+    p = Path(path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
 def _weight_bytes(path: str, options: dict[str, str]) -> int:
     """An upper bound on a checkpoint's weights in memory, from its safetensors headers: every
     tensor as stored, except that with quantization the decoder's projections count at their
     quantized size (int8: a byte a weight + an fp32 scale a row; int4: half a byte, K padded
     to the group, + a scale (fp32 at most) and a zero point a group); the embedding, the LM
     head and the norms stay float."""
+    if is_gguf(path) and Path(path).exists():
+        try:
+            return held_bytes(GGUFFile(path))
+        except GGUFError:
+            return Path(path).stat().st_size  # the loader will say why
     quant = options.get("quantization") or None
     total = 0
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []

@@ -111,3 +111,30 @@ def test_bad_routes_and_model_lists_are_clear_errors():
         out = subprocess.run([sys.executable, "-m", "tinyserve", *args], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 2 and needle in out.stderr, (args, out.stderr)
+
+
+def test_a_gguf_file_is_served_as_its_stem(tmp_path, server):
+    """--model FILE.gguf: stories260k written as llama.cpp writes a Llama (F32, q / k rows
+    permuted) answers token ids as the bundled safetensors model does, under its file's stem;
+    --dequantize is accepted (a no-op on floats)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from tests.conftest import STORIES_DIR
+    from tests.gguf_writer import Q, write_model
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(STORIES_DIR)
+    path = write_model(hf, STORIES_DIR, tmp_path / "stories.gguf", Q.F32)
+    srv = ServerProcess("--dequantize", log_path=tmp_path / "gguf.log", model=path)
+    try:
+        assert json.loads(get(srv.url + "/v1/models")[1])["data"][0]["id"] == "stories"
+        body = {"prompt": [1, 403, 251, 263, 431], "max_tokens": 8, "temperature": 0,
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        status, got, _ = run(post(srv.url, "/v1/completions", {**body, "model": "stories"}))
+        assert status == 200, got
+        status, want, _ = run(post(server.url, "/v1/completions",
+                                   {**body, "model": "stories260k"}))
+        assert got["choices"][0]["logprobs"]["tokens"] == want["choices"][0]["logprobs"]["tokens"]
+    finally:
+        assert srv.stop() == 0

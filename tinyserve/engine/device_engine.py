@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tinyserve.config import EngineConfig, min_kv_blocks
 from tinyserve.engine.device import select_device
+from tinyserve.gguf_file import is_gguf
+from tinyserve.models import SMOLLM2
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +77,23 @@ class DeviceEngine:
             model_dir = ensure_demo_model()
         else:
             model_dir = Path(cfg.resolved_model)
+            if cfg.model == SMOLLM2 and not model_dir.exists():  # fetched on first use
+                from tinyserve.models.smollm2 import ensure_smollm2
+
+                model_dir = ensure_smollm2()
         mcfg = load_model_config(model_dir)
         dtype = _resolve_dtype(cfg.dtype, self.device, mcfg.torch_dtype)
-        weights = load_weights(model_dir, mcfg, dtype, self.device, cfg.quantization)
+        if is_gguf(model_dir):
+            from tinyserve.engine.gguf_weights import load_gguf_weights
+            from tinyserve.gguf_file import GGUFFile
+
+            weights = load_gguf_weights(GGUFFile(model_dir), mcfg, dtype, self.device,
+                                        cfg.quantization, cfg.dequantize)
+        else:
+            if cfg.dequantize:
+                raise ValueError("dequantize applies to GGUF files only (a float checkpoint "
+                                 "is served as it is stored unless quantization is given)")
+            weights = load_weights(model_dir, mcfg, dtype, self.device, cfg.quantization)
         self.tokenizer = Tokenizer(model_dir)
         self.tokenizer.add_eos_ids(mcfg.eos_token_ids)
 

@@ -1,5 +1,5 @@
-"""Tokenizer: a model's Hugging Face ``tokenizer.json`` (via ``tokenizers``), its special
-tokens and its chat template.
+"""Tokenizer: a model's Hugging Face ``tokenizer.json`` (via ``tokenizers``) or a GGUF file's
+tokenizer, its special tokens and its chat template.
 
 Pure Python plus the ``tokenizers`` extension: the control plane uses it without torch.
 """
@@ -14,7 +14,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from tinyserve.gguf_file import is_gguf
 from tinyserve.text.chat_template import compile_chat_template
+from tinyserve.text.gguf_tokenizer import gguf_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +37,22 @@ def _token_str(value: Any) -> str | None:
 class Tokenizer:
     """Encode/decode plus the model's special ids and chat template."""
 
-    def __init__(self, model_dir: str | Path) -> None:
-        model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: missing (a Hugging Face tokenizer.json is required)")
-        self._tok = HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    def __init__(self, model: str | Path) -> None:
+        """``model``: a Hugging Face directory (tokenizer.json, tokenizer_config.json) or a
+        GGUF file (its tokenizer.ggml.* metadata: gguf_tokenizer.py)."""
+        model = Path(model)
+        if is_gguf(model):
+            self._tok, cfg = gguf_tokenizer(model)
+            source = self._tok.to_str().encode()
+        else:
+            path = model / "tokenizer.json"
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: missing (a Hugging Face tokenizer.json is "
+                                        "required)")
+            self._tok = HFTokenizer.from_file(str(path))
+            cfg_path = model / "tokenizer_config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+            source = path.read_bytes()
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         # What transformers hands a chat template: the special tokens that are set.
@@ -61,7 +71,7 @@ class Tokenizer:
         # Models with one fingerprint turn a request into the same prompt ids: a fallback may
         # serve the prompt another model's tokenizer made.
         self.fingerprint = hashlib.sha256(b"\0".join((
-            path.read_bytes(), (template or "").encode(), str(self.bos_token).encode(),
+            source, (template or "").encode(), str(self.bos_token).encode(),
             str(self.add_bos_token).encode()))).hexdigest()[:16]
         self._compiled_template = None
         self._token_text: dict[int, str] = {}
