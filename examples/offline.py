@@ -10,7 +10,7 @@ from tinyserve import LLM, SamplingParams
 model = sys.argv[1] if len(sys.argv) > 1 else None  # None: the bundled stories260k
 llm = LLM(model)
 prompts = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
-outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
+outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
 for prompt, out in zip(prompts, outputs):
     print(f"{prompt!r} -> {out.text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
 
