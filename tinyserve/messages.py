@@ -305,6 +305,9 @@ class Output(msgspec.Struct, frozen=True, tag=True):
     # first None (nothing precedes it); TokenInfo.top holds the top N, rank in prompt_ranks.
     prompt_logprobs: tuple[TokenInfo | None, ...] | None = None
     prompt_ranks: tuple[int, ...] = ()
+    # On the last Output, when finish_reason is "stop": the stop string that matched, or the
+    # stop_token_ids entry that ended it (vLLM's stop_reason); None for EOS
+    stop_reason: str | int | None = None
 
 
 # -- -> Metrics -------------------------------------------------------------------------------
@@ -354,6 +357,13 @@ class Rerouted(msgspec.Struct, frozen=True, tag=True):
     fallback: str
     tenant: str
     reason: str  # "degraded" (the model's SLO ladder at level 2+) | "down" (its steps fail)
+
+
+class ApiAnswered(msgspec.Struct, frozen=True, tag=True):
+    """An API request answered (any status), by route: the per-endpoint request count."""
+
+    endpoint: str  # the route's path template, e.g. /v1/responses/{response_id}
+    code: str  # HTTP status, as text (499: the client left first)
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):

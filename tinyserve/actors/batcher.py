@@ -305,7 +305,7 @@ class Batcher:
             finish_reason=seq.finish_reason if seq.is_finished else None,
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
             cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_lps,
-            prompt_ranks=ranks))
+            prompt_ranks=ranks, stop_reason=_stop_reason(req)))
 
     def _end(self, req: Request, reason: str | None) -> None:
         """Forget the request (freeing its blocks) and record how it finished; None: it failed
@@ -336,3 +336,15 @@ class Batcher:
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             slo_limit=self.slo.limit if self.slo.enabled else 0,
             degradation_level=self.slo.level, model=self.model))
+
+
+def _stop_reason(req: Request) -> str | int | None:
+    """What ended a request that finished with "stop": its stop string, or its stop token
+    (EOS: None, as vLLM reports it)."""
+    seq = req.seq
+    if seq.finish_reason != "stop":
+        return None
+    if req.detok.matched is not None:
+        return req.detok.matched
+    last = seq.token_ids[-1]
+    return last if last in seq.params.stop_token_ids else None

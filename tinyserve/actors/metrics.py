@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from tinyserve.config import METRICS_NAMESPACES
 from tinyserve.messages import (
     AdmissionRejected,
+    ApiAnswered,
     RequestFailed,
     RequestFinished,
     Rerouted,
@@ -151,6 +152,9 @@ class Metrics:
                                    "reason")
         self.errors = Counter(p + "request_errors", "Requests answered with an error",
                               ["code"], registry=r)
+        self.api_requests = Counter(p + "api_requests", "API requests answered, by route "
+                                    "(its path template) and HTTP status (499: the client "
+                                    "left first)", ["endpoint", "code"], registry=r)
         self.dropped = Counter(p + "metrics_events_dropped", "Metric events dropped (full inbox)",
                                registry=r)
         self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
@@ -165,7 +169,7 @@ class Metrics:
                                                    "num_gpu_blocks": str(num_blocks)})
 
     def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected
-             | Rerouted) -> None:
+             | Rerouted | ApiAnswered) -> None:
         try:
             self.inbox.put_nowait(event)
         except asyncio.QueueFull:
@@ -193,6 +197,8 @@ class Metrics:
                     self._finished(ev)
                 case RequestFailed():
                     self.errors.labels(code=ev.code).inc()
+                case ApiAnswered():
+                    self.api_requests.labels(ev.endpoint, ev.code).inc()
                 case AdmissionRejected():
                     self.rejections.labels(ev.model, ev.model, ev.tenant, ev.reason).inc()
                 case Rerouted():

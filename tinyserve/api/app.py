@@ -48,7 +48,8 @@ class Api:
 
     def app(self) -> web.Application:
         ctx = self.ctx
-        app = web.Application(middlewares=middlewares(ctx.cfg.access_log, ctx.count_error),
+        chain = middlewares(ctx.cfg.access_log, ctx.count_error, ctx.count_answer)
+        app = web.Application(middlewares=chain,
                               client_max_size=ctx.cfg.max_body_bytes)
         gen, info = CompletionRoutes(ctx, self.generator), InfoRoutes(ctx)
         probes, admin = Probes(ctx), AdminRoutes(ctx)

@@ -1,5 +1,6 @@
-"""Who is asking: the tenant whose API key a request carries (``Authorization: Bearer``),
-compared in constant time over all keys; admin routes need a tenant with ``admin = true``."""
+"""Who is asking: the tenant whose API key a request carries (``Authorization: Bearer``, or
+``x-api-key`` as Anthropic's clients send it), compared in constant time over all keys; admin
+routes need a tenant with ``admin = true``."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ def find_tenant(tenants: Sequence[TenantConfig], authorization: str) -> TenantCo
 def authenticate(request: web.Request, tenants: Sequence[TenantConfig]) -> TenantConfig:
     """The request's tenant (401 if its key matches none), noted for its access line."""
     tenant = find_tenant(tenants, request.headers.get("Authorization", ""))
+    if tenant is None and (key := request.headers.get("x-api-key")) is not None:
+        tenant = find_tenant(tenants, "Bearer " + key)
     if tenant is None:
         raise ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer "
-                       "<key>')", code="invalid_api_key")
+                       "<key>' or 'x-api-key: <key>')", code="invalid_api_key")
     if (access := request.get(ACCESS)) is not None:
         access.tenant = tenant.name
     return tenant

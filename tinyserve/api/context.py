@@ -13,7 +13,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tinyserve.api.errors import ApiError
 from tinyserve.config import ServerConfig
-from tinyserve.messages import RequestFailed
+from tinyserve.messages import ApiAnswered, RequestFailed
 
 if TYPE_CHECKING:
     from tinyserve.actors.admission import Admission
@@ -53,6 +53,10 @@ class ApiContext:
     def count_error(self, e: ApiError) -> None:
         if self.serving is not None:
             self.serving.metrics.emit(RequestFailed(str(e.status)))
+
+    def count_answer(self, endpoint: str, status: int) -> None:
+        if self.serving is not None:
+            self.serving.metrics.emit(ApiAnswered(endpoint, str(status)))
 
 
 async def read_body(request: web.Request) -> bytes:

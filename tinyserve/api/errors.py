@@ -1,6 +1,8 @@
 """The error envelope: every refusal the API makes is an ``ApiError``, answered as OpenAI
 answers errors, ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status, and a
-``Retry-After`` header when waiting can help.
+``Retry-After`` header when waiting can help. Under ``/v1/messages`` (Anthropic's API) the same
+error is answered in Anthropic's envelope, ``{"type": "error", "error": {"type", "message"}}``,
+with its types, and 529 ``overloaded_error`` where OpenAI's routes say 503.
 
 ``param`` names the request field at fault. It is never recovered from a message's text:
 engine-side checks raise ``messages.FieldError``, which carries its field, and ``from_field``
@@ -18,6 +20,12 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           500: "server_error", 503: "service_unavailable"}
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
 class ErrorInfo(msgspec.Struct):
     message: str
     type: str
@@ -29,6 +37,17 @@ class ErrorResponse(msgspec.Struct):
     """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct, tag="error", tag_field="type"):
+    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+
+    error: AnthropicErrorInfo
 
 
 class ApiError(Exception):
@@ -45,9 +64,28 @@ class ApiError(Exception):
         return _TYPES.get(self.status, "invalid_request_error" if self.status < 500
                           else "server_error")
 
+    def envelope(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
+
     def body(self) -> bytes:
-        return msgspec.json.encode(ErrorResponse(ErrorInfo(self.message, self.type,
-                                                           self.param, self.code)))
+        return msgspec.json.encode(self.envelope())
+
+    # -- Anthropic's envelope (the Messages API)
+    @property
+    def anthropic_status(self) -> int:
+        return 529 if self.status == 503 else self.status  # overloaded: shedding, loading
+
+    def anthropic_envelope(self) -> AnthropicError:
+        status = self.anthropic_status
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
+                                    else "api_error")
+        return AnthropicError(AnthropicErrorInfo(kind, self.message))
+
+    def response_for(self, path: str) -> tuple[int, bytes]:
+        """(status, body) as the API this path belongs to answers errors."""
+        if path.startswith(ANTHROPIC_PREFIX):
+            return self.anthropic_status, msgspec.json.encode(self.anthropic_envelope())
+        return self.status, self.body()
 
     @classmethod
     def from_field(cls, e: FieldError, param: str | None = None) -> ApiError:

@@ -1,6 +1,7 @@
 """What wraps every handler, outermost first:
 
 - access log (``--access-log``): one JSON line per API request, with the status finally sent;
+- per-route count: every API request's route and final status (a metric);
 - request id: the client's ``X-Request-Id`` if well-formed (echoed and logged, never a key),
   else a fresh one;
 - error envelope: an ApiError, or aiohttp's own 404/405/413, answered in the OpenAI envelope;
@@ -33,14 +34,18 @@ _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 Handler = Callable[[web.Request], "asyncio.Future[web.StreamResponse]"]
 
 
-def middlewares(access: bool, count_error: Callable[[ApiError], None]) -> list:
+def middlewares(access: bool, count_error: Callable[[ApiError], None],
+                count_answer: Callable[[str, int], None]) -> list:
     """The middleware chain, outermost first (``access``: with the access log)."""
-    chain = [_request_id, _error_envelope(count_error), _json_only]
+    chain = [_request_id, _counted(count_answer), _error_envelope(count_error), _json_only]
     return [_access_line, *chain] if access else chain
 
 
-def error_response(e: ApiError) -> web.Response:
-    resp = web.Response(body=e.body(), status=e.status, content_type="application/json")
+def error_response(e: ApiError, path: str = "") -> web.Response:
+    """The error as the API of ``path`` answers it (OpenAI's envelope, or Anthropic's under
+    /v1/messages)."""
+    status, body = e.response_for(path)
+    resp = web.Response(body=body, status=status, content_type="application/json")
     if e.retry_after is not None:
         resp.headers["Retry-After"] = str(max(1, round(e.retry_after)))
     return resp
@@ -76,6 +81,24 @@ async def _request_id(request: web.Request, handler: Handler) -> web.StreamRespo
     return resp
 
 
+def _counted(count_answer: Callable[[str, int], None]):
+    @web.middleware
+    async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith(access_log.LOGGED_PREFIXES):
+            return await handler(request)
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unmatched"
+        status = access_log.CLIENT_GONE
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        finally:
+            count_answer(endpoint, status)
+
+    return counted
+
+
 def _error_envelope(count_error: Callable[[ApiError], None]):
     @web.middleware
     async def envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -83,12 +106,12 @@ def _error_envelope(count_error: Callable[[ApiError], None]):
             return await handler(request)
         except ApiError as e:
             count_error(e)
-            return error_response(e)
-        except web.HTTPException as e:  # 404/405/413 from aiohttp, in the OpenAI envelope
+            return error_response(e, request.path)
+        except web.HTTPException as e:  # 404/405/413 from aiohttp, in the API's envelope
             if e.status >= 400:
                 err = ApiError(e.status, e.reason or "error")
                 count_error(err)
-                return error_response(err)
+                return error_response(err, request.path)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             raise
@@ -97,7 +120,7 @@ def _error_envelope(count_error: Callable[[ApiError], None]):
                           request.path, request.get(CLIENT_ID))
             err = ApiError(500, "internal server error")
             count_error(err)
-            return error_response(err)
+            return error_response(err, request.path)
 
     return envelope
 

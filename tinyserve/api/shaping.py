@@ -1,9 +1,11 @@
 """OpenAI response shaping: a request's Outputs -> chat / completion bodies and SSE chunks.
 
 No HTTP here: the generate path and ``sse.py`` move bytes, a Shaper decides what they say.
-One shaper per request, for either API, with the same three calls: ``opening()`` (chunks sent
-before any output), ``chunks(out, i)`` (what choice i's Output becomes when streaming) and
-``body_many(per_choice)`` (the whole answer).
+One shaper per request, for either API, with the same calls: ``opening()`` (chunks sent
+before any output), ``chunks(out, i)`` (what choice i's Output becomes when streaming),
+``stream_error(e)`` (an error once the stream has begun), ``closing()`` (the stream's last
+bytes) and ``body_many(per_choice)`` (the whole answer). The Responses and Messages APIs
+(``responses.py``, ``anthropic.py``) have shapers with the same calls.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from tinyserve.api.errors import ApiError
 from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
 from tinyserve.api.response_types import (
     ChatChoice,
@@ -86,6 +89,13 @@ class Shaper(abc.ABC):
 
     def opening(self) -> list[msgspec.Struct]:
         return []
+
+    def stream_error(self, e: ApiError) -> list:
+        """The error as the stream's last event: OpenAI's envelope as a data event."""
+        return [e.envelope()]
+
+    def closing(self) -> bytes:
+        return b"data: [DONE]\n\n"
 
     def chunks(self, out: Output, index: int = 0) -> list[msgspec.Struct]:
         """What choice ``index``'s Output becomes in the stream; after every choice's last

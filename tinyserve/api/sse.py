@@ -1,9 +1,11 @@
-"""Server-Sent Events: a response's chunks as ``data: <json>`` events, then ``data: [DONE]``.
+"""Server-Sent Events: a response's chunks as ``data: <json>`` events (a chunk the shaper names,
+``(name, struct)``, also gets an ``event: <name>`` line: the Responses and Messages APIs), then
+the shaper's closing bytes (``data: [DONE]`` for OpenAI's chat and completions).
 
 Headers go out first (with the answering model), then whatever the shaper makes of each batch
 of outputs. Once headers are sent an error can no longer change the status: it becomes the
-last event, in the error envelope. A client that stops reading for WRITE_TIMEOUT_S is treated
-as gone (its request is aborted by the caller).
+last event, as the shaper's API words it. A client that stops reading for WRITE_TIMEOUT_S is
+treated as gone (its request is aborted by the caller).
 """
 
 from __future__ import annotations
@@ -50,15 +52,24 @@ async def stream(request: web.Request, outputs: AsyncIterator[list[tuple[int, Ou
         count_error(e)
         if access is not None:
             access.stream_error = e.status
-        await resp.write(b"data: " + e.body() + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
+        await send(shaper.stream_error(e))
+    if closing := shaper.closing():
+        await resp.write(closing)
     await resp.write_eof()
     return resp
 
 
+def event(chunk: msgspec.Struct | tuple[str, msgspec.Struct]) -> bytes:
+    """One SSE event: ``data: <json>``, after ``event: <name>`` for a named chunk."""
+    if isinstance(chunk, tuple):
+        name, payload = chunk
+        return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+
 def _sender(resp: web.StreamResponse, transport: asyncio.Transport | None):
     async def send(chunks: list) -> None:
-        data = b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks)
+        data = b"".join(map(event, chunks))
         if not data:
             return
         if (transport is not None and not transport.get_write_buffer_size()

@@ -93,6 +93,7 @@ class IncrementalDetokenizer:
         # An empty stop string marks no place to stop (the API rejects it); it is ignored.
         self._matchers = [_StopMatcher(s) for s in stop if s]
         self.stopped = False  # a stop string matched
+        self.matched: str | None = None  # which one (the earliest match start)
         self._pieces: list[str] = []  # the output text, cut at a matched stop string
         self._len = 0  # total chars in _pieces
         self._joined: str | None = ""  # "".join(_pieces), or None when stale
@@ -135,7 +136,7 @@ class IncrementalDetokenizer:
         counts = self._unchecked <= 0  # vLLM: stop strings count from the min_tokens-th token
         # Every match ends inside the new piece (an earlier one would have stopped us), and a
         # stop string's first match in it is its earliest start: take the earliest over all.
-        cut, keep = -1, 0
+        cut, keep, matched = -1, 0, None
         for m in self._matchers:
             end, off = m.feed(piece), 0
             while end >= 0 and not counts:  # text of the first tokens: feed, never stop
@@ -143,10 +144,10 @@ class IncrementalDetokenizer:
                 off += end
                 end = m.feed(piece[off:])
             if end >= 0 and (cut < 0 or start + off + end - len(m.stop) < cut):
-                cut, keep = start + off + end - len(m.stop), len(m.stop)
+                cut, keep, matched = start + off + end - len(m.stop), len(m.stop), m.stop
         if cut >= 0:
             self._truncate(cut + keep if self._include_stop else cut)
-            self.stopped = True
+            self.stopped, self.matched = True, matched
 
     def _truncate(self, length: int) -> None:
         """Cut the text to ``length`` chars. Costs O(chars removed + one piece); happens once.
