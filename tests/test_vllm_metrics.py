@@ -4,13 +4,20 @@ publishes every series as ``vllm:...``. Drives the Metrics actor directly with i
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.test_actors import Graph
 from tinyserve.__main__ import build_parser, main
+from tinyserve.actors.lanes import RequestHandle
 from tinyserve.actors.metrics import Metrics
 from tinyserve.config import ServerConfig
-from tinyserve.messages import RequestFinished, StepStats
+from tinyserve.engine.demo import write_tokenizer
+from tinyserve.messages import RequestFinished, SamplingParams, StepStats, Submit
+from tinyserve.text.tokenizer import Tokenizer
 
 # vLLM v1's names (vllm/v1/metrics/loggers.py), by kind, without the namespace.
 VLLM_HISTOGRAMS = {
@@ -204,3 +211,37 @@ def test_cli_flag(monkeypatch, capsys):
     monkeypatch.setattr(tinyserve.server, "serve", serve)
     assert main(["--metrics-namespace", "vllm"]) == 0
     assert seen[0].metrics_namespace == "vllm"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)
+    return Tokenizer(path)
+
+
+def test_iteration_tokens_total_counts_as_vllm_does(tokenizer):
+    """vLLM's test_metrics_counts: requests x (prompt + max_tokens) summed over requests x
+    max_tokens steps, whatever the prefix cache served (each repeat of the prompt finds its
+    first two blocks cached) and whatever the warm-up ran. Through the real batcher, with
+    the actor tests' fake model."""
+    prompt, max_tokens, requests = (256, *range(104, 112)), 4, 4  # 9 tokens: blocks of 4
+
+    async def main():
+        async with Graph(tokenizer) as g:
+            warm = RequestHandle(99, asyncio.Queue(maxsize=16))  # the server's own warm-up
+            g.batcher.inbox.put_nowait(Submit(99, prompt, SamplingParams(max_tokens=2),
+                                              time.monotonic(), warm, internal=True))
+            while g.batcher.num_requests:
+                await asyncio.sleep(0.01)
+            for i in range(requests):  # one after the other, as vLLM's test sends them
+                _, outs = await g.request(i + 1, prompt, max_tokens)
+                assert outs[-1].completion_tokens == max_tokens
+            assert g.core.kv.prefix_hits >= 8 * (requests - 1)
+            await asyncio.sleep(0.05)  # the last StepStats reaches the metrics actor
+            return scrape(g.metrics)
+
+    samples = asyncio.run(main())
+    it = "tinyserve:iteration_tokens_total"
+    assert value(samples, it + "_sum", model="m") == requests * (len(prompt) + max_tokens)
+    assert value(samples, it + "_count", model="m") == requests * max_tokens

@@ -39,6 +39,12 @@ class FieldError(ValueError):
 
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+FULL_VOCAB = -1  # prompt_logprobs: every token of the vocabulary at each position (vLLM's -1)
+# prompt_logprobs=-1: at most this many (position, token) entries per API request, (prompt
+# tokens - 1) x vocabulary x choices. Each is a host tuple here and ~85 bytes of JSON in the
+# answer (measured): 2^18 is ~22 MB, the whole context of a 512-token vocabulary (stories260k),
+# a 9-token prompt with a 32k one.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: bounds the detokenizer's hold-back per step
 MAX_LOGIT_BIAS = 1024  # logit_bias entries: bounds the per-step penalty lists
@@ -73,9 +79,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
-    prompt_logprobs: int | None = None  # top-N per prompt token (0: only the prompt's own)
+    # top-N per prompt token (0: only the prompt's own; FULL_VOCAB: all of them, bounded by
+    # MAX_PROMPT_LOGPROB_ENTRIES in core.engine_core.check_sampling_vocabulary)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     guided: GrammarSpec | None = None  # the output must match this grammar
+    return_token_ids: bool = False  # vLLM's: each Output carries its new token ids
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -119,10 +128,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise FieldError("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_STRINGS} "
                       "non-negative integers")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
-                raise FieldError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+        v = self.logprobs
+        if v is not None and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
+            raise FieldError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {v}")
+        v = self.prompt_logprobs
+        if v is not None and not (isinstance(v, int) and (0 <= v <= MAX_LOGPROBS
+                                                          or v == FULL_VOCAB)):
+            raise FieldError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"
+                             f" or {FULL_VOCAB} (the whole vocabulary), got {v}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise FieldError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -308,6 +321,8 @@ class Output(msgspec.Struct, frozen=True, tag=True):
     # On the last Output, when finish_reason is "stop": the stop string that matched, or the
     # stop_token_ids entry that ended it (vLLM's stop_reason); None for EOS
     stop_reason: str | int | None = None
+    # The ids of the new tokens (a stop token included), when params.return_token_ids
+    token_ids: tuple[int, ...] = ()
 
 
 # -- -> Metrics -------------------------------------------------------------------------------
@@ -316,7 +331,9 @@ class Output(msgspec.Struct, frozen=True, tag=True):
 class StepStats(msgspec.Struct, frozen=True, tag=True):
     """Scheduler and cache state after a step; counters are cumulative totals."""
 
-    num_tokens: int  # tokens computed by the step (0 for a state-only update)
+    # vLLM's iteration tokens: the whole prompt of each request that got its first token in
+    # the step, plus the tokens the step generated (0: nothing generated, or a state update)
+    num_tokens: int
     num_running: int
     num_waiting: int
     kv_usage: float

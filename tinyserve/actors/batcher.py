@@ -252,6 +252,7 @@ class Batcher:
         if result.error:
             log.error("step %d failed: %s", result.step_id, result.error)
         now = time.monotonic()
+        tokens = 0  # vLLM's iteration tokens: see StepStats.num_tokens
         for req in self.core.process(plan, result):
             if req.seq.finish_reason == "error":
                 reply(req, Failed(500, "the engine failed while running this request"))
@@ -263,6 +264,8 @@ class Batcher:
                     self.slo.observe(itls=(now - times[-1],))
                 else:
                     self.slo.observe(ttft=now - req.arrival_time)
+                    tokens += req.seq.num_prompt_tokens
+                tokens += 1
             times.append(now)
             if req.request_id in self._after:  # its prompt is in the prefix cache now
                 self._release_after(req.request_id)
@@ -270,7 +273,7 @@ class Batcher:
             if req.seq.is_finished:
                 self._end(req, req.seq.finish_reason)
         self._tick()
-        self._emit_stats(plan.num_tokens)
+        self._emit_stats(tokens)
 
     def _tick(self) -> None:
         if self.slo.tick(idle=not self.core.has_unfinished) is not None:
@@ -285,27 +288,31 @@ class Batcher:
         text = req.detok.stream_delta(final=seq.is_finished)
         n_out = seq.num_output_tokens
         new = n_out - req.sent_tokens
+        p = seq.params
+        ids: tuple[int, ...] = ()
         tokens: tuple[TokenInfo, ...] = ()
-        if seq.params.logprobs is not None and new > 0:
-            ids = seq.token_ids[seq.num_prompt_tokens + req.sent_tokens:]
-            tokens = tuple(TokenInfo(t, lp, top or ())
-                           for t, (lp, top) in zip(ids, seq.logprobs[req.sent_tokens:], strict=True))
+        if new > 0 and (p.logprobs is not None or p.return_token_ids):
+            ids = tuple(seq.token_ids[seq.num_prompt_tokens + req.sent_tokens:])
+            if p.logprobs is not None:
+                tokens = tuple(TokenInfo(t, lp, top or ()) for t, (lp, top) in zip(
+                    ids, seq.logprobs[req.sent_tokens:], strict=True))
         req.sent_tokens = n_out
-        if not text and not tokens and not seq.is_finished:
+        if not text and not ids and not seq.is_finished:
             return  # nothing to show yet (e.g. half a UTF-8 character held back)
         prompt_lps, ranks = None, ()
-        if seq.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+        if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             req.prompt_logprobs_sent = True  # once: O(prompt) on the first Output only
-            ids = seq.prompt_token_ids
-            prompt_lps = (None,) + tuple(TokenInfo(ids[p + 1], lp, top)
-                                         for p, (lp, _, top) in enumerate(seq.prompt_lps))
+            prompt = seq.prompt_token_ids
+            prompt_lps = (None,) + tuple(TokenInfo(prompt[i + 1], lp, top)
+                                         for i, (lp, _, top) in enumerate(seq.prompt_lps))
             ranks = tuple(rank for _, rank, _ in seq.prompt_lps)
         reply(req, Output(
             text=text, tokens=tokens, num_new_tokens=new,
             finish_reason=seq.finish_reason if seq.is_finished else None,
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
             cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_lps,
-            prompt_ranks=ranks, stop_reason=_stop_reason(req)))
+            prompt_ranks=ranks, stop_reason=_stop_reason(req),
+            token_ids=ids if p.return_token_ids else ()))
 
     def _end(self, req: Request, reason: str | None) -> None:
         """Forget the request (freeing its blocks) and record how it finished; None: it failed

@@ -110,7 +110,13 @@ class Metrics:
         self.goodput = per_model(C, "request_goodput", "Requests finished within the SLO "
                                  "(TTFT and mean ITL under their targets)", "tenant")
         # -- per step (StepStats)
-        self.iter_tokens = per_model(H, "iteration_tokens_total", "Tokens computed per step",
+        # vLLM v1's count, not the tokens the step computed (prompt_tokens_computed is that):
+        # its test expects requests x (prompt + max_tokens) for uncached and cached prompts
+        self.iter_tokens = per_model(H, "iteration_tokens_total", "Tokens per engine step, as "
+                                     "vLLM counts them: the whole prompt (prefix-cache hits "
+                                     "included) of each request that got its first token in "
+                                     "the step, plus the tokens the step generated; steps that "
+                                     "generate none are not observed",
                                      buckets=iteration_buckets(max_num_batched_tokens))
         self.running = per_model(G, "num_requests_running", "Requests in the running batch")
         self.waiting = per_model(G, "num_requests_waiting", "Requests waiting to run")

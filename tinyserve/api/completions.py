@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from tinyserve.api.auth import authenticate
-from tinyserve.api.context import ApiContext, read_body
+from tinyserve.api.context import ApiContext, Serving, read_body
 from tinyserve.api.errors import ApiError
 from tinyserve.api.fields import decode_request
 from tinyserve.api.generate import Generator, Job
@@ -22,6 +22,7 @@ from tinyserve.api.sampling import Generating, sampling_params
 from tinyserve.api.shaping import ChatShaper, CompletionShaper, Shaper
 from tinyserve.api.tools import ToolPlan
 from tinyserve.api.tools import plan as tools_plan
+from tinyserve.config import TenantConfig
 from tinyserve.core.engine_core import check_sampling_vocabulary
 from tinyserve.messages import FieldError, SamplingParams
 
@@ -40,15 +41,10 @@ class CompletionRoutes:
     async def _generate(self, request: web.Request, kind: type[Generating]
                         ) -> web.StreamResponse:
         tenant = authenticate(request, self._ctx.cfg.tenant_list)
-        serving = self._ctx.serving_or_503()
-        if serving.supervisor.failure:
-            raise ApiError(503, f"the server is unhealthy: {serving.supervisor.failure}",
-                           retry_after=5.0)
+        serving = healthy(self._ctx)
         async with self._ctx.parsing:
             req = decode_request(await read_body(request), kind)
-            model = route(serving, req.model, tenant, req.user)
-            parser = serving.parsers[model]
-            prompts, params, tools = await parse(parser, req, tenant.cache_salt.decode())
+            model, parser, (prompts, params, tools) = await prepare(serving, tenant, req)
         chat = isinstance(req, ChatCompletionRequest)
         if chat and req.stream and req.prompt_logprobs is not None:
             raise ApiError(400, "prompt_logprobs is not supported with stream in chat "
@@ -56,6 +52,26 @@ class CompletionRoutes:
         return await self._generator.run(request, Job(
             prompts, params, req.n, tenant, model, req.stream,
             _shaper(req, parser, params, prompts, tools)))
+
+
+def healthy(ctx: ApiContext) -> Serving:
+    """The loaded models, or a 503 (loading, or the supervisor saw a fatal fault)."""
+    serving = ctx.serving_or_503()
+    if serving.supervisor.failure:
+        raise ApiError(503, f"the server is unhealthy: {serving.supervisor.failure}",
+                       retry_after=5.0)
+    return serving
+
+
+async def prepare(serving: Serving, tenant: TenantConfig, req: Generating
+                  ) -> tuple[str, PromptParser,
+                             tuple[list[list[int]], SamplingParams, ToolPlan | None]]:
+    """A decoded request -> the served model it routes to, that model's parser, and what
+    ``parse`` makes of it there. The Responses and Messages APIs come here with the chat
+    request they translate to."""
+    model = route(serving, req.model, tenant, req.user)
+    parser = serving.parsers[model]
+    return model, parser, await parse(parser, req, tenant.cache_salt.decode())
 
 
 async def parse(parser: PromptParser, req: Generating, grammar_scope: str = ""
@@ -70,7 +86,9 @@ async def parse(parser: PromptParser, req: Generating, grammar_scope: str = ""
     params, grammar_field = sampling_params(req, parser.max_tokens_for(req, prompts), tools,
                                             grammar_scope)
     try:
-        check_sampling_vocabulary(params, parser.vocab_size)
+        # (prompt_logprobs=-1 is bounded over the whole answer: every prompt, every choice)
+        check_sampling_vocabulary(params, parser.vocab_size,
+                                  req.n * sum(len(p) - 1 for p in prompts))
     except FieldError as e:
         raise ApiError.from_field(e) from None
     if params.guided is not None:
@@ -85,13 +103,15 @@ def _shaper(req: Generating, parser: PromptParser, params: SamplingParams,
     tok = parser.tokenizer
     if isinstance(req, ChatCompletionRequest):
         return lambda model, choices: ChatShaper(req, model, tok, want, choices=choices,
-                                                 tools=tools)
+                                                 prompts=prompts, tools=tools)
     echo = None
-    if req.echo:  # the prompt as sent (a string), or its ids decoded (the ids are what ran)
+    if req.echo:  # the prompt as sent (a string), or its ids decoded (the ids are what ran),
+        # special tokens kept as vLLM echoes them (a BOS sent as an id is "<s>" in the text)
         cut = req.truncate_prompt_tokens is not None
-        echo = [(p if isinstance(p, str) and not cut else tok.decode(ids), ids)
+        echo = [(p if isinstance(p, str) and not cut else tok.decode(ids, False), ids)
                 for p, ids in zip(batch_of(req.prompt), prompts, strict=True)]
 
     def shaper(model: str, choices: int) -> Shaper:
-        return CompletionShaper(req, model, tok, want, choices=choices, echo=echo)
+        return CompletionShaper(req, model, tok, want, choices=choices, prompts=prompts,
+                                echo=echo)
     return shaper

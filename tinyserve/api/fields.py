@@ -72,7 +72,7 @@ _SHARED: dict[str, Callable[[Any], bool]] = {
     "bad_words": _no_list, "allowed_token_ids": _none,
     "use_beam_search": _is(False), "length_penalty": _number(1),
     "spaces_between_special_tokens": _is(True),
-    "return_token_ids": _is(False), "logits_processors": _no_list, "priority": _number(0),
+    "logits_processors": _no_list, "priority": _number(0),
     "cache_salt": _none, "kv_transfer_params": _none, "vllm_xargs": _no_dict,
     "prompt_embeds": _none, "max_repetition_pattern_size": _number(0),
     "min_repetition_pattern_size": _number(0), "repetition_min_count": _number(0),
@@ -108,13 +108,32 @@ _SEEN_LIMIT = 256  # names remembered for "logged once" (a client inventing keys
 _seen_unknown: set[str] = set()
 
 
-def _check_fields(body: bytes, struct_fields: frozenset[str], defined: dict[str, Callable]) -> None:
+def _top_level(body: bytes) -> dict[str, msgspec.Raw] | None:
+    """The body's top-level keys and their raw values; None if it is not an object (the struct
+    decode says why)."""
+    try:
+        return msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+
+
+# vLLM's chat token-in: what only a chat template reads means nothing for a prompt already
+# templated, so sending any of these (whatever its value) beside prompt_token_ids is a 400
+TEMPLATE_OPTIONS = ("chat_template", "chat_template_kwargs", "documents", "add_generation_prompt",
+                    "continue_final_message", "add_special_tokens", "echo")
+
+
+def _check_token_in(raw: dict[str, msgspec.Raw]) -> None:
+    conflicts = sorted(k for k in TEMPLATE_OPTIONS if k in raw)
+    if conflicts:
+        raise ApiError(400, f"{conflicts} cannot be used with `prompt_token_ids`; pre-tokenized "
+                       "input bypasses chat templating.", param="prompt_token_ids")
+
+
+def _check_fields(raw: dict[str, msgspec.Raw], struct_fields: frozenset[str],
+                  defined: dict[str, Callable]) -> None:
     """Raises ApiError(400) for a defined field asking for something not honoured; logs
     fields nobody defines once. Reads only the top-level keys' raw values."""
-    try:
-        raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return  # not an object: the struct decode says why
     for name, value in raw.items():
         if name == "stream_options":  # vLLM's rule: options only with a stream
             _check_stream_options(value, raw.get("stream"))
@@ -168,12 +187,11 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
     except RecursionError:  # msgspec's guard against deep nesting
         raise ApiError(400, "Invalid JSON body: nested too deeply") from None
     table = _TABLES.get(kind)
-    if table is not None:
-        _check_fields(body, frozenset(kind.__struct_fields__), table)
-        options = getattr(req, "stream_options", None)
-        if options is not None and options.continuous_usage_stats:
-            raise ApiError(400, "stream_options.continuous_usage_stats is not supported by "
-                           "this server", param="stream_options", code="unsupported_parameter")
+    raw = _top_level(body) if table is not None else None
+    if raw is not None:
+        if kind is ChatCompletionRequest and req.prompt_token_ids:
+            _check_token_in(raw)
+        _check_fields(raw, frozenset(kind.__struct_fields__), table)
     return req
 
 

@@ -60,9 +60,12 @@ class PromptParser:
 
     async def prompts(self, req: ChatCompletionRequest | CompletionRequest,
                       tools: ToolPlan | None = None) -> list[list[int]]:
-        """The token ids of a request's prompts: a chat's one, or each of a completions
-        batch; ``truncate_prompt_tokens`` keeps each one's last k (vLLM)."""
-        if isinstance(req, ChatCompletionRequest):
+        """The token ids of a request's prompts: a chat's one (its ``prompt_token_ids`` as
+        sent, vLLM's token-in, else its messages templated), or each of a completions batch;
+        ``truncate_prompt_tokens`` keeps each one's last k (vLLM)."""
+        if isinstance(req, ChatCompletionRequest) and req.prompt_token_ids:
+            prompts = [self._token_prompt(req.prompt_token_ids, "prompt_token_ids")]
+        elif isinstance(req, ChatCompletionRequest):
             prompts = [await self._chat_prompt(req, tools=tools and tools.tools)]
         else:
             batch = batch_of(req.prompt)
@@ -93,7 +96,9 @@ class PromptParser:
             requested, param = (16 if req.max_tokens is None and not chat else req.max_tokens,
                                 "max_tokens")
         longest = max(len(p) for p in prompts)
-        return self.max_tokens(requested, longest, param, "messages" if chat else "prompt")
+        prompt_param = ("prompt_token_ids" if req.prompt_token_ids else "messages") if chat \
+            else "prompt"
+        return self.max_tokens(requested, longest, param, prompt_param)
 
     async def check_grammar(self, spec: GrammarSpec, field: str) -> None:
         """Compile it now (cached for the runner): a bad or unsatisfiable one is a 400."""
@@ -133,7 +138,9 @@ class PromptParser:
                            add_generation_prompt: bool = True,
                            tools: list[dict] | None = None) -> list[int]:
         if not req.messages:
-            raise ApiError(400, "messages must not be empty", param="messages")
+            other = " (or send prompt_token_ids)" if isinstance(req, ChatCompletionRequest) \
+                else ""
+            raise ApiError(400, f"messages must not be empty{other}", param="messages")
         if len(req.messages) > self.max_model_len:  # no template renders a turn in no token
             raise ApiError(400, f"messages: {len(req.messages)} messages cannot fit in "
                            f"{self.max_model_len} tokens", param="messages",
@@ -165,10 +172,14 @@ class PromptParser:
         if not isinstance(prompt, list) or not prompt:
             raise ApiError(400, "prompt must be a string or a non-empty list of token ids",
                            param="prompt")
-        if len(prompt) >= self.max_model_len:  # before looking at each element
-            self.max_tokens(1, len(prompt), "max_tokens", "prompt")
-        self._check_ids(prompt, "prompt")
-        return prompt
+        return self._token_prompt(prompt, "prompt")
+
+    def _token_prompt(self, ids: list[Any], field: str) -> list[int]:
+        """A prompt sent as token ids: it fits the context and names only vocabulary ids."""
+        if len(ids) >= self.max_model_len:  # before looking at each element
+            self.max_tokens(1, len(ids), "max_tokens", field)
+        self._check_ids(ids, field)
+        return ids
 
     def _check_ids(self, ids: list[Any], field: str) -> None:
         try:

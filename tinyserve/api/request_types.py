@@ -16,7 +16,7 @@ from tinyserve.api.errors import ApiError
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage in every chunk (refused when true)
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage in every chunk
 
 
 class ContentPart(msgspec.Struct):
@@ -67,6 +67,8 @@ class _Common(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None  # extension (vLLM): logprobs of the prompt's tokens
     include_stop_str_in_output: bool = False  # extension (vLLM)
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs name token ids
+    # extension (vLLM): the prompt's and the output's token ids beside the text
+    return_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None  # extension (vLLM): keep the prompt's last k
     # structured output: OpenAI's response_format, or one of vLLM's guided_* / structured_outputs
     response_format: dict[str, Any] | None = None
@@ -87,6 +89,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     parallel_tool_calls: bool | None = None  # false: one call at most ("required")
     # extension (vLLM): more variables for the chat template, e.g. Qwen3's enable_thinking
     chat_template_kwargs: dict[str, Any] | None = None
+    # extension (vLLM, token-in): the prompt as token ids, templated by the client; messages
+    # are then ignored (send []) and no template option may be sent (fields.py)
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):

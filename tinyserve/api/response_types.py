@@ -78,11 +78,18 @@ class ResponseMessage(msgspec.Struct):
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
+# vLLM's return_token_ids: ``token_ids`` (the generated ids, a stop token included) on each
+# choice and streamed choice, ``prompt_token_ids`` (the ids the engine ran) on a chat answer or
+# its first chunks, on a completion choice or its first chunk; absent unless asked for.
+TokenIds = list[int] | msgspec.UnsetType
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: ResponseMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: TokenIds = msgspec.UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -93,6 +100,7 @@ class ChatCompletionResponse(msgspec.Struct):
     created: int = msgspec.field(default_factory=now)
     object: Literal["chat.completion"] = "chat.completion"
     prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET  # vLLM's extension
+    prompt_token_ids: TokenIds = msgspec.UNSET
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -106,6 +114,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: Delta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: TokenIds = msgspec.UNSET
 
 
 class _Choices(msgspec.Struct):
@@ -122,6 +131,7 @@ class _Choices(msgspec.Struct):
 class ChatCompletionChunk(_Choices):
     choices: list[ChatChunkChoice]
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    prompt_token_ids: TokenIds = msgspec.UNSET
 
 
 class PromptLogprob(msgspec.Struct):
@@ -143,6 +153,8 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    token_ids: TokenIds = msgspec.UNSET
+    prompt_token_ids: TokenIds = msgspec.UNSET
 
 
 class CompletionResponse(_Choices):

@@ -17,7 +17,14 @@ import msgspec
 from tinyserve.api.errors import ApiError
 from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
 from tinyserve.api.tools import ToolPlan
-from tinyserve.messages import MAX_LOGIT_BIAS, MAX_LOGPROBS, FieldError, GrammarSpec, SamplingParams
+from tinyserve.messages import (
+    FULL_VOCAB,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    FieldError,
+    GrammarSpec,
+    SamplingParams,
+)
 
 MAX_N = 64  # choices per request (n x prompts: each is a request to admission)
 
@@ -42,7 +49,7 @@ def sampling_params(req: Generating, max_tokens: int, tools: ToolPlan | None = N
     else:
         logprobs = req.logprobs
     prompt_logprobs = req.prompt_logprobs
-    if not chat and req.echo and req.logprobs is not None:
+    if not chat and req.echo and req.logprobs is not None and prompt_logprobs != FULL_VOCAB:
         # the echoed prompt's tokens carry logprobs too (as many alternatives as the output's)
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     asked = guided_field(req)
@@ -68,7 +75,8 @@ def sampling_params(req: Generating, max_tokens: int, tools: ToolPlan | None = N
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
             prompt_logprobs=prompt_logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output, guided=guided)
+            include_stop_str_in_output=req.include_stop_str_in_output, guided=guided,
+            return_token_ids=bool(req.return_token_ids))
     except FieldError as e:
         raise ApiError.from_field(e) from None
     return params, field

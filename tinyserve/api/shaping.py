@@ -32,6 +32,7 @@ from tinyserve.api.response_types import (
     PromptLogprob,
     PromptLogprobs,
     ResponseMessage,
+    TokenIds,
     TokenLogprob,
     ToolCallDeltaOut,
     ToolCallOut,
@@ -47,8 +48,10 @@ from tinyserve.text.tokenizer import Tokenizer
 
 
 def logprob_entries(outs: Sequence[Output]) -> int:
-    """Logprob entries these Outputs carry: the cost of shaping them into JSON."""
-    return sum(len(o.tokens) + len(o.prompt_logprobs or ()) for o in outs)
+    """Logprob entries these Outputs carry: the cost of shaping them into JSON (a prompt
+    position counts its alternatives: the whole vocabulary with prompt_logprobs=-1)."""
+    return sum(len(o.tokens) + sum(1 + len(t.top) for t in o.prompt_logprobs or () if t)
+               for o in outs)
 
 
 def usage(out: Output) -> Usage:
@@ -69,23 +72,48 @@ def total_usage(finals: Sequence[Output], n: int = 1) -> Usage:
 
 
 class Shaper(abc.ABC):
-    """``choices``: n per prompt, in order (choice i answers prompt i // n)."""
+    """``choices``: n per prompt, in order (choice i answers prompt i // n); ``prompts``: each
+    prompt's token ids, as the engine runs them."""
 
     def __init__(self, req: ChatCompletionRequest | CompletionRequest, model: str,
-                 tokenizer: Tokenizer, want_logprobs: bool, choices: int = 1) -> None:
+                 tokenizer: Tokenizer, want_logprobs: bool, choices: int = 1,
+                 prompts: Sequence[Sequence[int]] = ()) -> None:
         self.model = model
         self.tok = tokenizer
         self.want_logprobs = want_logprobs
         self.want_prompt_logprobs = req.prompt_logprobs is not None
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.want_ids = bool(req.return_token_ids)  # vLLM's token_ids / prompt_token_ids
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        # vLLM's continuous_usage_stats (only with include_usage): every chunk carries its
+        # choice's usage so far
+        self.continuous = self.include_usage and options.continuous_usage_stats
         self.created = now()
         self.choices = choices
         self.n = req.n
+        self.prompts = prompts
         self.as_ids = req.return_tokens_as_token_ids  # vLLM: "token_id:{id}" for each token
         self._finals: dict[int, Output] = {}
+        self._generated = [0] * choices  # each choice's tokens so far (continuous usage)
 
     def _text(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.tok.token_text(token_id)
+
+    def _prompt_ids(self, index: int) -> TokenIds:
+        return list(self.prompts[index // self.n]) if self.want_ids else msgspec.UNSET
+
+    def _token_ids(self, outs: Sequence[Output]) -> TokenIds:
+        return [t for o in outs for t in o.token_ids] if self.want_ids else msgspec.UNSET
+
+    def _running_usage(self, index: int, out: Output | None = None) -> Usage | None:
+        """With continuous usage stats, choice ``index``'s usage once ``out`` is in (vLLM's:
+        its prompt, and its tokens so far); else None."""
+        if not self.continuous:
+            return None
+        if out is not None:  # (an abort's Output counts nothing: keep the count so far)
+            self._generated[index] = max(self._generated[index], out.completion_tokens)
+        prompt, done = len(self.prompts[index // self.n]), self._generated[index]
+        return Usage(prompt, done, prompt + done)
 
     def opening(self) -> list[msgspec.Struct]:
         return []
@@ -156,26 +184,31 @@ class CompletionShaper(Shaper):
     the prompt's token logprobs when logprobs are asked for, the first one null, as OpenAI
     does)."""
 
-    def __init__(self, *args, choices: int = 1,
-                 echo: Sequence[tuple[str, Sequence[int]]] | None = None) -> None:
-        super().__init__(*args, choices=choices)
+    def __init__(self, req: CompletionRequest, *args, choices: int = 1,
+                 echo: Sequence[tuple[str, Sequence[int]]] | None = None, **kw) -> None:
+        super().__init__(req, *args, choices=choices, **kw)
         self.id = new_id("cmpl")
         self.echo = echo  # per prompt
+        # alternatives per token, echoed prompt tokens too (they may have more: vLLM's
+        # prompt_logprobs beside echo and logprobs)
+        self.top_n = req.logprobs or 0
         # text_offset of each choice's next token: the running length of its tokens' texts,
         # the same streamed or not (text a stop string holds back does not shift it)
         self._offsets = [0] * choices
-        self._echoed = [False] * choices
+        self._started = [False] * choices  # its first chunk is out (the prompt's part in it)
 
     def _response(self, choices: list[CompletionChoice], use: Usage | None = None
                   ) -> CompletionResponse:
         return CompletionResponse(self.id, self.model, choices, self.created, use)
 
     def _choice_chunks(self, out: Output, index: int) -> list[msgspec.Struct]:
+        """One chunk per Output; a choice's first also carries its prompt's part: the echo,
+        prompt_logprobs, prompt_token_ids (vLLM's)."""
         text, tokens = out.text, list(out.tokens)
-        prompt_lps = msgspec.UNSET
-        if not self._echoed[index] and (self.echo is not None or out.prompt_logprobs):
-            self._echoed[index] = True
-            prompt_lps = self._prompt_logprobs([out])
+        prompt_lps = prompt_ids = msgspec.UNSET
+        if not self._started[index]:
+            self._started[index] = True
+            prompt_lps, prompt_ids = self._prompt_logprobs([out]), self._prompt_ids(index)
             if self.echo is not None:
                 prompt_text, ids = self.echo[index // self.n]
                 text = prompt_text + text
@@ -183,8 +216,9 @@ class CompletionShaper(Shaper):
         lp = None
         if self.want_logprobs:
             lp, self._offsets[index] = self._logprobs(tokens, self._offsets[index])
-        return [self._response([CompletionChoice(index, text, out.finish_reason, lp,
-                                                 prompt_lps)])]
+        return [self._response([CompletionChoice(
+            index, text, out.finish_reason, lp, prompt_lps, self._token_ids([out]),
+            prompt_ids)], self._running_usage(index, out))]
 
     def _usage_chunk(self, use: Usage) -> CompletionResponse:
         return self._response([], use)
@@ -199,7 +233,8 @@ class CompletionShaper(Shaper):
             tokens = (self._echo_tokens(first, ids) if first else []) + tokens
         lp = self._logprobs(tokens, 0)[0] if self.want_logprobs else None
         return CompletionChoice(index, text, outs[-1].finish_reason, lp,
-                                self._prompt_logprobs(outs))
+                                self._prompt_logprobs(outs), self._token_ids(outs),
+                                self._prompt_ids(index))
 
     def _body(self, choices: list, use: Usage, per_choice: Sequence[Sequence[Output]]
               ) -> CompletionResponse:
@@ -233,7 +268,7 @@ class CompletionShaper(Shaper):
     def _top(self, t: TokenInfo, text: str) -> dict[str, float]:
         """The N most likely tokens, and the sampled one whether or not it is among them
         (vLLM's completions: so ``logprobs=0`` still names the sampled token)."""
-        top = {self._text(i): lp for i, lp in t.top}
+        top = {self._text(i): lp for i, lp in t.top[:self.top_n]}
         top.setdefault(text, t.logprob)
         return top
 
@@ -241,21 +276,30 @@ class CompletionShaper(Shaper):
 class ChatShaper(Shaper):
     """``tools``: each choice's text goes through a ToolOutput (content and tool_calls)."""
 
-    def __init__(self, *args, choices: int = 1, tools: ToolPlan | None = None) -> None:
-        super().__init__(*args, choices=choices)
+    def __init__(self, *args, choices: int = 1, tools: ToolPlan | None = None, **kw) -> None:
+        super().__init__(*args, choices=choices, **kw)
         self.id = new_id("chatcmpl")
         self.tools = [ToolOutput(tools) for _ in range(choices)] if tools else None
 
-    def _chunk(self, choices: list[ChatChunkChoice], use: Usage | None = None
-               ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.model, choices, self.created, use)
+    def _chunk(self, choices: list[ChatChunkChoice], use: Usage | None = None,
+               prompt_ids: TokenIds = msgspec.UNSET) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.id, self.model, choices, self.created, use,
+                                   prompt_token_ids=prompt_ids)
 
     def opening(self) -> list[msgspec.Struct]:
-        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))])
+        """A role chunk per choice, with vLLM's prompt_token_ids and (continuous usage) the
+        prompt's usage."""
+        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))],
+                            self._running_usage(i), self._prompt_ids(i))
                 for i in range(self.choices)]
 
     def _choice_chunks(self, out: Output, index: int) -> list[msgspec.Struct]:
+        """A chunk with the Output's delta (text, tool-call pieces, logprobs, token ids), then
+        one with its finish reason, as OpenAI streams them; with continuous usage the finish
+        reason rides on the last delta instead (vLLM's: each chunk with a choice then counts
+        tokens the one before it did not)."""
         got = []
+        use, ids = self._running_usage(index, out), self._token_ids([out])
         lp = self._logprobs(out.tokens) if self.want_logprobs else None
         text, calls, reason = out.text, None, out.finish_reason
         if self.tools is not None:
@@ -266,12 +310,17 @@ class ChatShaper(Shaper):
                 text, deltas = text + more, deltas + last
                 reason = tool.finish_reason(reason)
             calls = [_delta(d) for d in deltas] or None
-        if text or calls or lp is not None:
+        if text or calls or lp is not None or out.token_ids:
+            last = reason if self.continuous else None
             got.append(self._chunk([ChatChunkChoice(
                 index, Delta(content=text if text or not calls else None, tool_calls=calls),
-                None, lp)]))
+                last, lp, ids)], use))
+            if last is not None:
+                return got
+            ids = msgspec.UNSET
         if reason is not None:
-            got.append(self._chunk([ChatChunkChoice(index, Delta(), reason)]))
+            got.append(self._chunk([ChatChunkChoice(index, Delta(), reason, token_ids=ids)],
+                                   use))
         return got
 
     def _usage_chunk(self, use: Usage) -> ChatCompletionChunk:
@@ -288,12 +337,13 @@ class ChatShaper(Shaper):
                 message = ResponseMessage("assistant", content, [
                     ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls])
                 reason = self.tools[index].finish_reason(reason)
-        return ChatChoice(index, message, reason, lp)
+        return ChatChoice(index, message, reason, lp, self._token_ids(outs))
 
     def _body(self, choices: list, use: Usage, per_choice: Sequence[Sequence[Output]]
               ) -> ChatCompletionResponse:
         return ChatCompletionResponse(self.id, self.model, choices, use, self.created,
-                                      prompt_logprobs=self._prompt_logprobs(per_choice[0]))
+                                      prompt_logprobs=self._prompt_logprobs(per_choice[0]),
+                                      prompt_token_ids=self._prompt_ids(0))
 
     def _logprobs(self, tokens: Sequence[TokenInfo]) -> ChatLogprobs:
         def entry(tid: int, lp: float) -> TopLogprob:

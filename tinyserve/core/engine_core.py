@@ -16,7 +16,15 @@ from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.request import Request
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.sequence import Sequence
-from tinyserve.messages import FieldError, SamplingParams, StepPlan, StepResult
+from tinyserve.messages import (
+    FULL_VOCAB,
+    MAX_LOGPROBS,
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    FieldError,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 from tinyserve.text.detokenizer import IncrementalDetokenizer
 from tinyserve.text.tokenizer import Tokenizer
 
@@ -66,7 +74,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise FieldError("prompt", "prompt: must contain at least one token")
         check_token_ids(prompt_token_ids, self.cfg.vocab_size, "prompt")
-        check_sampling_vocabulary(params, self.cfg.vocab_size)
+        check_sampling_vocabulary(params, self.cfg.vocab_size, len(prompt_token_ids) - 1)
 
     def add_request(self, request_id: int, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams, cache_salt: bytes = b"", priority: int = 0,
@@ -135,8 +143,21 @@ def check_token_ids(ids: list | tuple, vocab_size: int, field: str) -> None:
                              f"vocabulary [0, {vocab_size})")
 
 
-def check_sampling_vocabulary(params: SamplingParams, vocab_size: int) -> None:
-    """The sampling parameters that name tokens name tokens of this vocabulary."""
+def check_sampling_vocabulary(params: SamplingParams, vocab_size: int,
+                              scored_positions: int = 0) -> None:
+    """The sampling parameters that name tokens name tokens of this vocabulary, and
+    prompt_logprobs=-1 (the whole vocabulary at each of ``scored_positions`` prompt positions:
+    a prompt's tokens after the first, for each sequence that returns them) asks for at most
+    MAX_PROMPT_LOGPROB_ENTRIES entries."""
+    if params.prompt_logprobs == FULL_VOCAB:
+        entries = scored_positions * vocab_size
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise FieldError("prompt_logprobs", f"prompt_logprobs=-1 asks for the whole "
+                             f"vocabulary ({vocab_size} tokens) at {scored_positions} prompt "
+                             f"positions (each prompt's tokens after the first, per choice): "
+                             f"{entries} entries, more than {MAX_PROMPT_LOGPROB_ENTRIES}. Ask "
+                             f"for at most {MAX_PROMPT_LOGPROB_ENTRIES // vocab_size} positions"
+                             f", or for a top N of at most {MAX_LOGPROBS}.")
     if params.top_k > vocab_size:
         raise FieldError("top_k", f"top_k must be -1, 0 (disabled) or at most the vocabulary "
                          f"size {vocab_size}, got {params.top_k}")

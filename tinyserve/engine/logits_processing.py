@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tinyserve.kernels import apply_penalties, target_logprobs
-from tinyserve.messages import PromptLogprobs, ScheduledSeq
+from tinyserve.messages import FULL_VOCAB, PromptLogprobs, ScheduledSeq
 
 if TYPE_CHECKING:
     from tinyserve.text.grammar import GrammarCompiler, Matcher
@@ -227,20 +227,44 @@ class LogitsProcessors:
         wanted = [s for s in seqs if s.prompt_targets]
         targets = torch.tensor([t for s in wanted for t in s.prompt_targets], dtype=torch.int64,
                                device=self.device)
-        num_top = max(s.params.prompt_logprobs or 0 for s in wanted)
+        num_top = max(max(s.params.prompt_logprobs or 0, 0) for s in wanted)
         lps, ranks, top_ids, top_lps = target_logprobs(logits, targets, num_top)
         lps_l, ranks_l = lps.tolist(), ranks.tolist()
         tops = list(zip(top_ids.tolist(), top_lps.tolist(), strict=True)) if num_top else None
         out, i = [], 0
         for s in wanted:
             n, k = len(s.prompt_targets), s.params.prompt_logprobs or 0
-            entries = tuple((lps_l[j], ranks_l[j],
-                             tuple(zip(tops[j][0][:k], tops[j][1][:k], strict=True))
-                             if tops and k else ()) for j in range(i, i + n))
-            out.append(PromptLogprobs(s.seq_id, s.start_pos, entries))
+            rows = range(i, i + n)
+            if k == FULL_VOCAB:
+                top_of = _whole_vocabulary(logits[i:i + n], s.prompt_targets, lps_l[i:i + n])
+            elif tops and k:
+                top_of = [tuple(zip(tops[j][0][:k], tops[j][1][:k], strict=True)) for j in rows]
+            else:
+                top_of = [()] * n
+            out.append(PromptLogprobs(s.seq_id, s.start_pos, tuple(
+                (lps_l[j], ranks_l[j], top) for j, top in zip(rows, top_of, strict=True))))
             i += n
         return tuple(out)
 
+
+def _whole_vocabulary(logits: torch.Tensor, targets: Sequence[int], lps: list[float]
+                      ) -> list[tuple[tuple[int, float], ...]]:
+    """logits [n, V], lps: each target's logprob (from the kernel) -> per row every
+    token's (id, logprob), most likely first (ties: lower id first), as the top-N kernel
+    orders them. On the host: prompt_logprobs=-1 is bounded (MAX_PROMPT_LOGPROB_ENTRIES) and
+    N rounds of the top-N kernel's argmax would cost O(V^2) a row. Each logprob is x - lse
+    in float32 with lse = x[target] - lp[target], the kernel's own arithmetic, and the
+    target's entry is its logprob bit for bit."""
+    x = logits.cpu().numpy()  # [n, V] float32
+    lp_t = np.asarray(lps, dtype=np.float32)  # [n] (float32 values: exact)
+    rows = np.arange(len(targets))
+    t = np.asarray(targets, dtype=np.int64)
+    lse = x[rows, t] - lp_t  # [n]
+    lp = x - lse[:, None]
+    lp[rows, t] = lp_t
+    order = np.argsort(-x, axis=1, kind="stable")  # [n, V]
+    ids, ordered = order.tolist(), np.take_along_axis(lp, order, axis=1).tolist()
+    return [tuple(zip(a, b, strict=True)) for a, b in zip(ids, ordered, strict=True)]
 
 
 def _guarded(fn, *args) -> bool:
