@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "5-60 s); the last model serving: the server is unhealthy")
     s.add_argument("--max-body-size", type=parse_size, default=4 * 2**20,
                    help="largest request body accepted, e.g. 4MiB; larger ones get 413")
+    s.add_argument("--responses-store", type=int, default=1000, metavar="N",
+                   help="POST /v1/responses: responses kept per tenant for previous_response_id "
+                   "and GET (least recently used dropped first; 0: store nothing)")
+    s.add_argument("--responses-store-size", type=parse_size, default=64 * 2**20,
+                   help="... and at most this many bytes of them per tenant, e.g. 64MiB")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log verbosity")
     s.add_argument("--access-log", action="store_true",
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level,
             access_log=args.access_log, metrics_namespace=args.metrics_namespace,
-            tool_call_parser=args.tool_call_parser)
+            tool_call_parser=args.tool_call_parser, responses_store_max=args.responses_store,
+            responses_store_max_bytes=args.responses_store_size)
         Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks
     except (ValueError, OSError) as e:  # OSError: an unreadable tenants file
         print(f"error: {e}", file=sys.stderr)

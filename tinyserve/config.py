@@ -358,6 +358,10 @@ class ServerConfig:
     access_log: bool = False  # one JSON line per API request on stdout (access_log.py)
     metrics_namespace: str = "tinyserve"  # "vllm": series named as vLLM's, for its dashboards
     tool_call_parser: str = "auto"  # how chat output becomes tool_calls (tool_parsers.py)
+    # POST /v1/responses with store: the responses kept for previous_response_id and GET, per
+    # tenant (least recently used dropped first, by count and by bytes)
+    responses_store_max: int = 1000
+    responses_store_max_bytes: int = 64 * 2**20
 
     @property
     def tenant_list(self) -> tuple[TenantConfig, ...]:
@@ -381,6 +385,8 @@ class ServerConfig:
             raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.responses_store_max < 0 or self.responses_store_max_bytes < 0:
+            raise ValueError("responses_store_max and responses_store_max_bytes must be >= 0")
         for name in ("slo_ttft_ms", "slo_itl_ms"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -21,6 +21,10 @@ BODIES = {
     "/v1/completions": {"model": "a", "prompt": "Once", "max_tokens": 2},
     "/v1/chat/completions": {"model": "a", "messages": [{"role": "user", "content": "hi"}],
                              "max_tokens": 2},
+    "/v1/responses": {"model": "a", "input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": "a", "max_tokens": 2, "messages": [{"role": "user",
+                                                                 "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": "a", "messages": [{"role": "user", "content": "hi"}]},
     "/tokenize": {"model": "a", "prompt": "Once"},
     "/detokenize": {"model": "a", "tokens": [300, 301]},
     "/admin/routes": {"alias": "chat", "weights": {"a": 10, "b": 90}},
@@ -68,8 +72,11 @@ def test_a_non_json_post_is_refused_before_anything_runs(srv):
         for kind in NOT_JSON:
             status, body = asyncio.run(_post(srv.url, path, kind))
             assert status == 415, (path, kind, status, body)
-            assert body["error"]["code"] == "unsupported_media_type", body
             assert body["error"]["type"] == "invalid_request_error"
+            if path.startswith("/v1/messages"):  # Anthropic's envelope: no code
+                assert body["type"] == "error" and "Content-Type" in body["error"]["message"]
+            else:
+                assert body["error"]["code"] == "unsupported_media_type", body
     assert _state(srv) == before  # no step ran, no route changed
     assert srv.wait_idle() == {"running": 0, "waiting": 0, "kv_usage": 0.0, "requests": 0,
                                "live": 0}

@@ -2,6 +2,9 @@
 loaded models once the server sets them, and the requests still waiting on an answer.
 
     POST /v1/completions, /v1/chat/completions   completions.py -> generate.py (-> sse.py)
+    POST /v1/messages, /v1/messages/count_tokens  anthropic.py (Anthropic's Messages API, on the
+                                                  chat path)
+    POST /v1/responses, GET/DELETE .../{id}       responses.py (the chat path; response_store.py)
     GET  /v1/models, /v1/models/{id}              info.py
     POST /tokenize, /detokenize                   info.py
     GET  /openapi.json                            info.py (openapi.py)
@@ -14,12 +17,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from tinyserve.api.admin import AdminRoutes
+from tinyserve.api.anthropic import MessagesRoutes
 from tinyserve.api.completions import CompletionRoutes
 from tinyserve.api.context import ApiContext, Serving
 from tinyserve.api.generate import Generator
 from tinyserve.api.info import InfoRoutes
 from tinyserve.api.middleware import middlewares
 from tinyserve.api.probes import Probes
+from tinyserve.api.responses import ResponsesRoutes
 from tinyserve.config import ServerConfig
 
 
@@ -52,11 +57,19 @@ class Api:
         app = web.Application(middlewares=chain,
                               client_max_size=ctx.cfg.max_body_bytes)
         gen, info = CompletionRoutes(ctx, self.generator), InfoRoutes(ctx)
+        responses = ResponsesRoutes(ctx, self.generator)
         probes, admin = Probes(ctx), AdminRoutes(ctx)
-        add = {"GET": app.router.add_get, "POST": app.router.add_post}  # (GET: HEAD too)
+        anthropic = MessagesRoutes(ctx, self.generator)
+        add = {"GET": app.router.add_get, "POST": app.router.add_post,  # (GET: HEAD too)
+               "DELETE": app.router.add_delete}
         for method, path, handler in (
                 ("POST", "/v1/chat/completions", gen.chat_completions),
                 ("POST", "/v1/completions", gen.completions),
+                ("POST", "/v1/messages", anthropic.messages),
+                ("POST", "/v1/messages/count_tokens", anthropic.count_tokens),
+                ("POST", "/v1/responses", responses.create),
+                ("GET", "/v1/responses/{response_id}", responses.get),
+                ("DELETE", "/v1/responses/{response_id}", responses.delete),
                 ("GET", "/v1/models", info.models),
                 ("GET", "/v1/models/{model_id:.+}", info.model),
                 ("POST", "/tokenize", info.tokenize),

@@ -10,7 +10,13 @@ from typing import Any
 
 import msgspec
 
-from tinyserve.api.errors import ErrorResponse
+from tinyserve.api.anthropic_types import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+)
+from tinyserve.api.errors import AnthropicError, ErrorResponse
 from tinyserve.api.request_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,10 +33,17 @@ from tinyserve.api.response_types import (
     ModelList,
     TokenizeResponse,
 )
+from tinyserve.api.responses_request import ResponsesRequest
 
 _TYPES = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CompletionRequest,
           CompletionResponse, ModelList, ModelCard, ErrorResponse, RouteUpdate, TokenizeRequest,
-          TokenizeResponse, DetokenizeRequest, DetokenizeResponse)
+          TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
+          MessagesRequest, MessageResponse, CountTokensRequest, TokenCount, AnthropicError,
+          ResponsesRequest)
+_RESPONSE = {"type": "object", "description": "OpenAI's Response object (id, object: "
+             "response, status, output items, usage, ...)"}
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True,
+                 "schema": {"type": "string"}}]
 
 
 def _ref(t: type) -> dict[str, str]:
@@ -62,6 +75,22 @@ def _post(request: type, response: type, summary: str) -> dict[str, Any]:
             "application/json": {"schema": _ref(response)}}}, **_errors(400, 401, 404, 413, 415)}}}
 
 
+def _anthropic(request: type, response: type, summary: str, streams: bool) -> dict[str, Any]:
+    """An Anthropic route: its errors in Anthropic's envelope (529 where others say 503)."""
+    ok: dict[str, Any] = {"application/json": {"schema": _ref(response)}}
+    if streams:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    errors = {str(c): {"description": "error", "content": {
+        "application/json": {"schema": _ref(AnthropicError)}}}
+        for c in (400, 401, 404, 413, 415, 429, 500, 529)}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "the message (JSON), or Server-Sent Events "
+                              "(message_start ... message_stop) when stream is true"
+                              if streams else "ok", "content": ok}, **errors}}}
+
+
 def openapi_spec(version: str) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
         _TYPES, ref_template="#/components/schemas/{name}")
@@ -75,6 +104,29 @@ def openapi_spec(version: str) -> dict[str, Any]:
                                          CompletionResponse, "Create a completion"),
             "/v1/chat/completions": _generate(ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionChunk, "Create a chat completion"),
+            "/v1/responses": {"post": {
+                "summary": "Create a response (OpenAI's Responses API)",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref(ResponsesRequest)}}},
+                "responses": {"200": {"description": "the Response (JSON), or Server-Sent "
+                                      "Events (response.created ... response.completed) when "
+                                      "stream is true", "content": {
+                                          "application/json": {"schema": _RESPONSE},
+                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                              **_errors(400, 401, 404, 413, 415, 429, 500, 503)}}},
+            "/v1/responses/{response_id}": {
+                "get": {"summary": "A stored response (the tenant's own)",
+                        "parameters": _RESPONSE_ID, "responses": {
+                            "200": {"description": "the Response", "content": {
+                                "application/json": {"schema": _RESPONSE}}},
+                            **_errors(400, 401, 404)}},
+                "delete": {"summary": "Delete a stored response", "parameters": _RESPONSE_ID,
+                           "responses": {"200": {"description": "deleted"},
+                                         **_errors(401, 404)}}},
+            "/v1/messages": _anthropic(MessagesRequest, MessageResponse,
+                                       "Create a message (Anthropic's Messages API)", True),
+            "/v1/messages/count_tokens": _anthropic(CountTokensRequest, TokenCount,
+                                                    "Count a message's input tokens", False),
             "/v1/models": {"get": {"responses": {"200": {"description": "the served models",
                 "content": {"application/json": {"schema": _ref(ModelList)}}}, **_errors(401)}}},
             "/v1/models/{model_id}": {"get": {
