@@ -177,8 +177,12 @@ def _served(path: Path, report) -> None:
         t = time.perf_counter()
         r = client.chat.completions.create(
             model=name, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-            tools=tools, tool_choice="required", max_tokens=40, temperature=0)
+            tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+            temperature=0)
         calls = r.choices[0].message.tool_calls or []
+        if not calls:
+            print(f"    (no call: content {r.choices[0].message.content!r}, finish "
+                  f"{r.choices[0].finish_reason})", flush=True)
         args = json.loads(calls[0].function.arguments) if calls else None
         report("server: tool_choice required (hermes)",
                f"{calls[0].function.name if calls else None}({args}) "
