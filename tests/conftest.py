@@ -46,3 +46,15 @@ def tmp_models(tmp_path_factory) -> Path:
 
 # The fleet tests (Ray Serve, minutes) run as their own step of .ci/run.
 collect_ignore = [] if os.environ.get("TINYSERVE_FLEET_TESTS") else ["fleet"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_file() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, or a skip saying how to fetch it."""
+    from tinyserve.models.smollm2 import smollm2_path
+
+    path = smollm2_path()
+    if not path.exists():
+        pytest.skip(f"{path} is missing: `python -m tinyserve.models.smollm2` fetches it "
+                    "(.ci/run does)")
+    return path

@@ -13,7 +13,6 @@ import pytest
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from tinyserve.models.smollm2 import smollm2_path  # noqa: E402
 from tinyserve.text.tokenizer import Tokenizer  # noqa: E402
 
 FRAGMENTS = [
@@ -42,19 +41,10 @@ def check_same(ours: Tokenizer, theirs, texts: list[str]) -> None:
         assert ours.decode(want) == theirs.decode(want, skip_special_tokens=True), text
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    path = smollm2_path()
-    if not path.exists():
-        pytest.skip(f"{path} is missing: `python -m tinyserve.models.smollm2` fetches it "
-                    "(.ci/run does)")
-    return path
-
-
-def test_smollm2_tokenizes_as_transformers(smollm2):
+def test_smollm2_tokenizes_as_transformers(smollm2_file):
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    theirs = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-    ours = Tokenizer(smollm2)
+    theirs = transformers.AutoTokenizer.from_pretrained(smollm2_file.parent, gguf_file=smollm2_file.name)
+    ours = Tokenizer(smollm2_file)
     check_same(ours, theirs, strings())
     assert ours.bos_token == theirs.bos_token and ours.eos_token == theirs.eos_token
     assert ours.add_bos_token is False and ours.chat_template == theirs.chat_template

@@ -16,18 +16,14 @@ pytest.importorskip("accelerate")
 
 from tests.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402
-from tinyserve.models.smollm2 import smollm2_path  # noqa: E402
 
 TEXT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
         "went out every morning before the sun rose. One day he found a bottle in his net.")
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    path = smollm2_path()
-    if not path.exists():
-        pytest.skip(f"{path} is missing: `python -m tinyserve.models.smollm2` fetches it "
-                    "(.ci/run does)")
+def smollm2(smollm2_file):
+    path = smollm2_file
     logging.getLogger("transformers").setLevel(logging.ERROR)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32).eval()
