@@ -129,9 +129,10 @@ def test_killed_replica_retries_unstarted_and_fleet_heals(fleet):
                 s, fleet, {**body, "prompt": PREFIXES[0] + SUFFIXES[i]}, answers[i]))
                 for i in range(8)]
             await asyncio.wait_for(answers[0].started.wait(), 60)
+            server = psutil.Process(_server_pid(victim))  # (a Ray call: before the sample)
             await asyncio.sleep(0.5)
             started = [a.started.is_set() for a in answers]
-            psutil.Process(_server_pid(victim)).send_signal(signal.SIGKILL)
+            server.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             await asyncio.gather(*tasks)
             # A new request right after the kill, for the victim's prefix: it is retried.
@@ -143,19 +144,17 @@ def test_killed_replica_retries_unstarted_and_fleet_heals(fleet):
           f"{sum(a.error is not None for a in answers)} cut off with an error event, "
           f"{sum(a.attempts == 2 for a in answers)} retried and completed")
     assert any(started) and not all(started), started
+    # Whether a request had streamed when its server died is what it received: the client's
+    # sample above can miss a first token already on the wire when the signal went out.
     for was_started, a in zip(started, answers):
         assert a.status == 200 and a.done, a
-        if was_started:  # streaming when its server died: cut off with a clean error event
-            assert a.replica == victim
+        if was_started or a.error is not None:  # streaming: cut off with a clean error event
+            assert a.replica == victim and a.text, a
             assert a.error is not None and a.error["code"] == "replica_failed", a
         else:  # had not streamed yet: retried on the other replica, whole answer
-            if a.error is None:
-                assert a.usage["completion_tokens"] == 60
-                if a.replica == victim:  # finished just before the kill
-                    continue
+            assert a.usage["completion_tokens"] == 60
+            if a.replica != victim:  # (on the victim: finished just before the kill)
                 assert a.attempts == 2, a
-            else:
-                pytest.fail(f"an unstarted request failed: {a}")
     assert any(a.attempts == 2 for a in answers)
     assert after.status == 200 and after.error is None and after.replica != victim
     # Serve sees the failed health check and replaces the replica.
