@@ -147,14 +147,9 @@ class MessagesShaper:
                                stop_reason=reason, stop_sequence=sequence, usage=usage)
 
     def _pieces(self, out: Output) -> list[tuple[str, list[ToolCallDelta]]]:
-        """(text, tool call deltas) in the order they happened: the Output's, then the
-        parser's last word once it is final."""
         if self._tools is None:
             return [(out.text, [])]
-        got = [self._tools.feed(out.text)]
-        if out.finish_reason is not None:
-            got.append(self._tools.finish())
-        return got
+        return self._tools.pieces(out.text, out.finish_reason is not None)
 
     def _start(self, block: _Block) -> list[Event]:
         events = self._close()

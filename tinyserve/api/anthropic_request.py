@@ -40,6 +40,7 @@ from tinyserve.api.anthropic_types import (
     MessagesTool,
 )
 from tinyserve.api.errors import ApiError
+from tinyserve.api.fields import decode_request
 from tinyserve.api.request_types import ChatCompletionRequest, ChatMessage, ContentPart
 from tinyserve.api.tools import MAX_TOOLS
 from tinyserve.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -69,16 +70,7 @@ UNHONOURED: dict[str, Callable[[Any], bool]] = {
 
 def decode(body: bytes, kind: type[CountTokensRequest]) -> Any:
     """JSON body -> the request struct; a 400 naming the field at fault."""
-    try:
-        req = msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        text = str(e)
-        at = re.search(r"`\$\.(\w+)", text) or re.search(r"required field `(\w+)`", text)
-        raise ApiError(400, f"Invalid request: {text}", param=at and at.group(1)) from None
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"Invalid JSON body: {e}") from None
-    except RecursionError:  # msgspec's guard against deep nesting
-        raise ApiError(400, "Invalid JSON body: nested too deeply") from None
+    req = decode_request(body, kind)
     raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])  # (it decoded as an object)
     for name in raw.keys() - kind.__struct_fields__:
         neutral = UNHONOURED.get(name)

@@ -146,10 +146,7 @@ class ResponsesShaper:
     def chunks(self, out: Output, index: int = 0) -> list:
         text, deltas = out.text, []
         if self.tools is not None:
-            text, deltas = self.tools.feed(out.text)
-            if out.finish_reason is not None:
-                more, last = self.tools.finish()
-                text, deltas = text + more, deltas + last
+            text, deltas = self.tools.step(out.text, out.finish_reason is not None)
         events: list = []
         if text:
             events += self._text_delta(text)

@@ -3,13 +3,13 @@ and the chat request it means (``to_chat``; ``responses.py`` has the mapping's t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from tinyserve.api.errors import ApiError
+from tinyserve.api.fields import decode_request
 from tinyserve.api.request_types import ChatCompletionRequest, ChatMessage
 
 MAX_METADATA = 16  # OpenAI's bounds on metadata: pairs, key and value lengths
@@ -56,14 +56,7 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
 
 
 def decode(body: bytes) -> ResponsesRequest:
-    try:
-        req = msgspec.json.decode(body, type=ResponsesRequest)
-    except msgspec.ValidationError as e:
-        raise ApiError(400, f"Invalid request: {e}", param=_field_of(str(e))) from None
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"Invalid JSON body: {e}") from None
-    except RecursionError:
-        raise ApiError(400, "Invalid JSON body: nested too deeply") from None
+    req = decode_request(body, ResponsesRequest)
     for name, neutral in _NEUTRAL.items():
         if not neutral(getattr(req, name)):
             raise ApiError(400, f"{name} is not supported by this server (only its default, "
@@ -75,13 +68,6 @@ def decode(body: bytes) -> ResponsesRequest:
                        f"{MAX_KEY} characters and values of at most {MAX_VALUE}",
                        param="metadata")
     return req
-
-
-def _field_of(error: str) -> str | None:
-    """The top-level field a msgspec validation error names."""
-    if (m := re.search(r"at `\$\.(\w+)", error)) or (m := re.search(r"field `(\w+)`", error)):
-        return m.group(1)
-    return None
 
 
 def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -304,10 +304,8 @@ class ChatShaper(Shaper):
         text, calls, reason = out.text, None, out.finish_reason
         if self.tools is not None:
             tool = self.tools[index]
-            text, deltas = tool.feed(out.text)
+            text, deltas = tool.step(out.text, reason is not None)
             if reason is not None:
-                more, last = tool.finish()
-                text, deltas = text + more, deltas + last
                 reason = tool.finish_reason(reason)
             calls = [_delta(d) for d in deltas] or None
         if text or calls or lp is not None or out.token_ids:

@@ -118,6 +118,19 @@ class ToolOutput:
         self.called = bool(calls)
         return content, calls
 
+    def pieces(self, text: str, final: bool) -> list[tuple[str, list[ToolCallDelta]]]:
+        """A streamed Output's text -> (content, call deltas) in the order they happened: the
+        text's, then, on the last Output, what the parser held back."""
+        got = [self.feed(text)]
+        if final:
+            got.append(self.finish())
+        return got
+
+    def step(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        """``pieces`` merged: the content, then the calls."""
+        got = self.pieces(text, final)
+        return "".join(t for t, _ in got), [d for _, ds in got for d in ds]
+
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         mode = self.plan.mode
         if mode == "none":
