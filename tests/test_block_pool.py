@@ -3,6 +3,9 @@
 import pytest
 
 from tinyserve.core.block_pool import BlockPool, block_hash
+from tinyserve.core.kv_manager import KVCacheManager
+from tinyserve.core.sequence import Sequence
+from tinyserve.messages import SamplingParams
 
 
 def h(i: int) -> bytes:
@@ -93,3 +96,23 @@ def test_block_hash_chains_and_salts():
     assert block_hash(x, [1, 2, 3]) != x  # same tokens, other parent
     assert block_hash(None, [1, 2, 3], salt=b"tenant-a") != x
     assert block_hash(None, [1, 2, 3], salt=b"tenant-a") != block_hash(None, [1, 2, 3], b"tenant-b")
+
+
+def test_a_finished_sequence_releases_its_tail_first_so_its_head_is_evicted_last():
+    # A prefix is more likely to be shared than a tail: under pressure, the pool must evict
+    # a finished sequence's last block first and keep its leading blocks cached longest.
+    pool = BlockPool(3, 4)
+    kv = KVCacheManager(pool)
+    prompt = tuple(range(10, 22))  # 12 tokens: 3 full blocks
+    seq = Sequence(0, prompt, SamplingParams(max_tokens=1), seed=0)
+    assert kv.allocate(seq, len(prompt))
+    head, middle, tail = seq.block_ids
+    seq.num_computed_tokens = len(prompt)
+    kv.commit(seq)
+    kv.free(seq)
+    assert pool.num_cached == 3 and pool.usage == 0.0
+    assert pool.allocate(1) == [tail]  # the least recently released: the tail
+    assert pool.allocate(1) == [middle]
+    again = Sequence(1, prompt + (99,), SamplingParams(max_tokens=1), seed=0)
+    assert kv.match_prefix(again) == 4 and again.block_ids == [head]  # the head still hits
+    pool.check_integrity()

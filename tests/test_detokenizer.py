@@ -257,3 +257,18 @@ def test_runs_of_tokens_that_add_no_text_cost_a_bounded_decode(tok, monkeypatch,
         d.add(token)
     assert max(widths, default=0) <= d.WINDOW + d.MAX_CHAR_TOKENS + 1
     assert d.text == text * (len(d.text) // max(len(text), 1))  # invalid bytes come out as U+FFFD
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2, 3, 4])
+def test_a_stop_string_counts_from_the_min_tokens_th_token(tok, min_tokens):
+    # "xy" is completed by tokens 2 and 4: the first completion at or after token min_tokens
+    # stops the output (vLLM), an earlier one is text like any other.
+    [x], [y] = char_tokens("x"), char_tokens("y")
+    detok = IncrementalDetokenizer(tok, [1], ("xy",), min_tokens=min_tokens)
+    stopped_at = None
+    for k, t in enumerate([x, y, x, y, x], start=1):
+        detok.add(t)
+        if detok.stopped and stopped_at is None:
+            stopped_at = k
+    assert stopped_at == (2 if min_tokens <= 2 else 4)
+    assert detok.text == ("" if min_tokens <= 2 else "xy") and detok.matched == "xy"

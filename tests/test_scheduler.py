@@ -522,3 +522,32 @@ def test_a_window_shrinks_the_pool_check_and_planning_ahead_still_matches():
     assert run_ahead(sched, FakeExecutor(4, 8), reqs()) == alone
     assert sched.kv.pool.usage == 0.0 and not sched.seqs
     assert alone == run(*make_scheduler(), reqs())  # as without a window, with 64 blocks
+
+
+class EagerToStop(FakeExecutor):
+    """Samples a stop token whenever the draw does not ban it, else the fake's usual token."""
+
+    def __init__(self, block_size: int, stop: int) -> None:
+        super().__init__(block_size)
+        self.stop = stop
+
+    def execute(self, plan: StepPlan, only: set[int] | None = None) -> StepResult:
+        result = super().execute(plan, only)
+        banned = {s.seq_id: s.banned for s in plan.seqs}
+        return StepResult(plan.step_id, tuple(
+            o if self.stop in banned[o.seq_id] else SeqOutput(o.seq_id, self.stop, 0.0)
+            for o in result.outputs))
+
+
+@pytest.mark.parametrize("stop", [EOS, 5], ids=["eos", "stop_token_id"])
+@pytest.mark.parametrize("min_tokens", [1, 3])
+def test_the_token_right_after_min_tokens_may_be_the_stop_token(min_tokens, stop):
+    sched, _ = make_scheduler()
+    ex = EagerToStop(4, stop)
+    [seq] = create_requests(1, num_tokens=6, max_tokens=10)
+    seq.params = SamplingParams(max_tokens=10, temperature=0.0, min_tokens=min_tokens,
+                                stop_token_ids=(5,))
+    [(tokens, reason)] = run(sched, ex, [seq]).values()
+    # draws 1..min_tokens ban it; draw min_tokens + 1 (the first allowed) takes it
+    assert reason == "stop" and len(tokens) == min_tokens + 1 and tokens[-1] == stop
+    assert stop not in tokens[:-1]

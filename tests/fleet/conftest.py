@@ -8,6 +8,7 @@ These tests need the ``ray`` extra and take minutes, so the main suite leaves th
 import asyncio
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,19 @@ APP = "tinyserve"
 # checks time out after 5 s and 10 s by default); read when the cluster's processes start.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+
+
+# Per test, fixture setup included: a cluster start, replicas warming up and health waits of up
+# to 90 s each on a starved machine take minutes, more than the suite-wide default (pyproject);
+# still finite, so a hang fails its test.
+FLEET_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:  # (a hook of this conftest still sees the whole session's items)
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.timeout(FLEET_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")

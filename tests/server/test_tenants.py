@@ -108,6 +108,33 @@ def test_a_tenant_over_its_tokens_per_minute_waits_what_its_bucket_says(srv):
     asyncio.run(main())
 
 
+# bobco gets 100 tokens a minute: each prompt (tokens + max_tokens) costs all of it, exactly;
+# one prompt is checked by the admission actor's bucket, a batch first by the API as a whole.
+@pytest.mark.parametrize("prompt, max_tokens", [([1, 2, 3], 97), ([[1, 2], [3, 4]], 48)],
+                         ids=["one_prompt", "batch"])
+def test_a_request_costing_exactly_tokens_per_minute_is_admitted(srv, prompt, max_tokens):
+    async def main():
+        status, got, _ = await post(srv.url, "/v1/completions", body(prompt, max_tokens + 1),
+                                    auth(B))
+        assert status == 400, got  # one token more can never fit
+        status, got, _ = await post(srv.url, "/v1/completions", body(prompt, max_tokens), auth(B))
+        assert status == 200, got
+    asyncio.run(main())
+
+
+def test_a_cost_of_exactly_a_full_bucket_fits():
+    now = [0.0]
+    quotas = TenantQuotas((TenantConfig("t", "k", tokens_per_minute=600),), clock=lambda: now[0])
+    assert quotas.refuse("t", 600) is None
+    quotas.admit("t", 600)
+    reason, failed = quotas.refuse("t", 600)
+    assert reason == "tokens" and failed.status == 429  # waits for the bucket, never a 400
+    assert failed.retry_after == pytest.approx(60.0)
+    now[0] = 60.0
+    assert quotas.refuse("t", 600) is None
+    assert TokenBucket(60, clock=lambda: now[0]).wait_for(60) == 0.0
+
+
 def test_prefix_cache_is_shared_within_a_cache_group_only(srv):
     prompt = [1] + list(range(300, 339))  # 40 tokens: two full 16-token blocks to share
 
