@@ -272,3 +272,19 @@ def test_a_stop_string_counts_from_the_min_tokens_th_token(tok, min_tokens):
             stopped_at = k
     assert stopped_at == (2 if min_tokens <= 2 else 4)
     assert detok.text == ("" if min_tokens <= 2 else "xy") and detok.matched == "xy"
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(head=st.text(alphabet="a0\x80\x81é€𐀀", max_size=8),
+       out=st.text(alphabet="va3_ é€𐀀\x81", min_size=1, max_size=6))
+def test_output_after_a_prompt_ending_in_multibyte_characters(tok, head, out):
+    # the prompt's window may start inside a character (its 5 last tokens are bytes of
+    # 𐀀 and \x81): output byte tokens joined that run of invalid bytes and came out as
+    # U+FFFD ("v3_x" was "\ufffd3_x", found by the grammar fuzz)
+    prompt = tok.encode(head + "𐀀\x81")
+    ids = tok.encode(out, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, prompt)
+    for t in ids:
+        d.add(t)
+    whole = tok.decode(prompt + ids)
+    assert d.text == whole[len(tok.decode(prompt)):]

@@ -87,9 +87,10 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop  # vLLM's include_stop_str_in_output
         self._unchecked = min_tokens  # vLLM: no stop string ends the output before min_tokens
         self._ids = list(prompt_ids)
-        self._prefix = max(len(self._ids) - self.WINDOW, 0)
         self._read = len(self._ids)
+        self._complete = self._read  # the ids up to here decode to whole characters
         self._skip = skip_special_tokens
+        self._prefix = self._char_start(max(len(self._ids) - self.WINDOW, 0))
         # An empty stop string marks no place to stop (the API rejects it); it is ignored.
         self._matchers = [_StopMatcher(s) for s in stop if s]
         self.stopped = False  # a stop string matched
@@ -100,6 +101,18 @@ class IncrementalDetokenizer:
         self._streamed = 0  # chars handed out by stream_delta
         self._sent_piece = 0  # first piece not wholly streamed ...
         self._sent_off = 0  # ... and how many of its chars were
+
+    def _char_start(self, prefix: int) -> int:
+        """Move the prompt's window back to the start of a character (at most 3 tokens): a
+        window that starts on a UTF-8 continuation byte decodes to U+FFFD, and byte-fallback
+        decoders turn a whole run of byte tokens that is not valid UTF-8 into U+FFFDs, so the
+        output's first byte tokens would join that run and come out as U+FFFD too."""
+        for _ in range(self.MAX_CHAR_TOKENS - 1):
+            if prefix == 0 or not self._tok.decode(self._ids[prefix:self._read],
+                                                   self._skip).startswith("\ufffd"):
+                break
+            prefix -= 1
+        return prefix
 
     @property
     def text(self) -> str:
@@ -121,11 +134,17 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        if new_text.endswith("\ufffd") and len(self._ids) - self._read < self.MAX_CHAR_TOKENS:
-            return  # an unfinished multi-byte character: wait for its other bytes
+        if new_text.endswith("\ufffd"):
+            if len(self._ids) - self._complete < self.MAX_CHAR_TOKENS:
+                return  # an unfinished multi-byte character: wait for its other bytes
+        else:
+            # the decode ends on a whole character: a later U+FFFD counts its bytes from here
+            # (not from _read: tokens that added no text, like a lone "▁", are not its bytes)
+            self._complete = len(self._ids)
         if len(new_text) <= len(prefix_text):
             return
         self._prefix, self._read = self._read, len(self._ids)
+        self._complete = self._read  # (text ending in U+FFFD here is given up as invalid)
         self._append(new_text[len(prefix_text):])
 
     def _append(self, piece: str) -> None:
