@@ -35,7 +35,8 @@ INFOS = {"cache_config"}  # exported as cache_config_info
 COUNTERS = {"prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
             "prompt_tokens_computed", "num_preemptions", "request_success", "request_errors",
             "request_goodput", "admission_rejections", "fallback_requests",
-            "metrics_events_dropped", "api_requests"}  # exported with _total
+            "metrics_events_dropped", "api_requests",
+            "constraint_failures"}  # exported with _total
 
 METRIC_TOKEN = re.compile(r"tinyserve:[a-zA-Z0-9_:]+")
 

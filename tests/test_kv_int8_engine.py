@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyserve.config import EngineConfig, build_models
+from tinyserve.config import EngineConfig
 from tinyserve.engine.kv_cache import KVCacheSpec
 from tinyserve.llm import LLM
 from tinyserve.messages import SamplingParams
 from tinyserve.models import STORIES260K
 from tinyserve.quality import compare, score
+from tinyserve.served_models import build_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loadtest"))
 

@@ -12,15 +12,16 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from tinyserve.config import (  # noqa: E402
     METRICS_NAMESPACES,
+    SPECIAL_TOKENS_IN_CONTENT,
     TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
-    build_models,
     load_tenants,
     parse_fallback,
     parse_route,
 )
 from tinyserve.core.routing import Router  # noqa: E402
+from tinyserve.served_models import build_models  # noqa: E402
 
 
 def parse_size(text: str) -> int:
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-cache-memory", type=parse_size, default=None,
                     help="KV capacity as memory, e.g. 8GiB (default: 90%% of free GPU memory, "
                          "or enough for max-num-seqs full-length requests on CPU)")
+    k.add_argument("--grammar-cache-memory", type=parse_size, default=512 << 20,
+                   help="compiled grammars (structured output) cached, in all (estimated bytes)")
+    k.add_argument("--grammar-tenant-cache-memory", type=parse_size, default=128 << 20,
+                   help="compiled grammars cached per tenant cache group (estimated bytes)")
+    k.add_argument("--grammar-max-memory", type=parse_size, default=64 << 20,
+                   help="one grammar's estimated compiled size; larger ones are a 400")
     k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="auto: K and V in the model's dtype; int8: one byte a value plus a "
                         "scale per token and KV head, about twice the sequences in the same "
@@ -155,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how chat output becomes tool_calls: llama3_json (Llama 3.x JSON "
                         "calls), hermes (<tool_call> blocks); auto: hermes if the chat "
                         "template uses <tool_call>, else llama3_json")
+    s.add_argument("--special-tokens-in-content", default="text",
+                   choices=SPECIAL_TOKENS_IN_CONTENT,
+                   help="special-token text (</s>, <|im_end|>, ...) in chat message content: "
+                        "text (default) tokenizes it as plain text, as OpenAI does, so content "
+                        "cannot forge a turn or an EOS; parse tokenizes it as special tokens, "
+                        "as transformers and vLLM do")
     return p
 
 
@@ -172,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
+            enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+            grammar_cache_bytes=args.grammar_cache_memory,
+            grammar_tenant_cache_bytes=args.grammar_tenant_cache_memory,
+            grammar_max_bytes=args.grammar_max_memory)
         models = build_models(engine_cfg, args.model or [], args.served_model_name)
         tenants = load_tenants(args.tenants) if args.tenants else ()
         server_cfg = ServerConfig(
@@ -187,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             max_body_bytes=args.max_body_size, log_level=args.log_level,
             access_log=args.access_log, metrics_namespace=args.metrics_namespace,
             tool_call_parser=args.tool_call_parser, responses_store_max=args.responses_store,
+            special_tokens_in_content=args.special_tokens_in_content,
             responses_store_max_bytes=args.responses_store_size)
         Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks
     except (ValueError, OSError) as e:  # OSError: an unreadable tenants file

@@ -217,6 +217,11 @@ class SeqOutput(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    # The sequence cannot go on within what its request allows (its grammar failed, or the
+    # grammar, logit_bias bans and min_tokens leave no token): it ends with this error, and
+    # token_id means nothing. error_reason: ConstraintFailed.reason.
+    error: str | None = None
+    error_reason: str = "grammar"
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True):
@@ -385,3 +390,10 @@ class ApiAnswered(msgspec.Struct, frozen=True, tag=True):
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):
     code: str  # HTTP status, as text
+
+
+class ConstraintFailed(msgspec.Struct, frozen=True, tag=True):
+    """A request ended mid-generation because its constraints could not go on."""
+
+    model: str
+    reason: str  # "grammar" (the matcher failed) | "nothing_allowed" (grammar + bans + min_tokens)

@@ -32,10 +32,11 @@ from tinyserve.actors.supervisor import Supervisor
 from tinyserve.api.app import Api
 from tinyserve.api.context import Serving
 from tinyserve.api.prompts import PromptParser
-from tinyserve.config import ModelSpec, ServerConfig
+from tinyserve.config import ServerConfig
 from tinyserve.core.routing import Router, describe
 from tinyserve.core.slo import SloController
 from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
+from tinyserve.served_models import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ PROBE_STABLE_S = 60.0  # up this long after a probe: the next failure starts the
 class Server:
     def __init__(self, cfg: ServerConfig, models: Sequence[ModelSpec],
                  engines: dict[str, Any] | None = None, freeze_heap: bool = False) -> None:
-        """``models``: what to serve (``config.build_models``). ``engines``: already built
+        """``models``: what to serve (``served_models.build_models``). ``engines``: already built
         engines by model name (``info``, ``tokenizer``, ``runner.execute``); tests pass fake
         ones. Models without one are built from their EngineConfig in ``load``."""
         self.cfg = cfg
@@ -101,7 +102,8 @@ class Server:
         roots = {spec.name: spec.engine.resolved_model for spec in self.models}
         parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer,
                                       roots[name], getattr(e, "grammars", None),
-                                      self.cfg.tool_call_parser)
+                                      self.cfg.tool_call_parser,
+                                      self.cfg.special_tokens_in_content)
                    for name, e in engines.items()}
         self.api.serving = Serving(parsers, self.admission, self.router, self.metrics,
                                    self.supervisor)

@@ -14,10 +14,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tinyserve.config import EngineConfig, ModelSpec, ServerConfig
+import msgspec
+
+from tinyserve.config import EngineConfig, ServerConfig
 from tinyserve.engine.device_engine import EngineInfo
 from tinyserve.messages import SeqOutput, StepPlan, StepResult
 from tinyserve.models import STORIES260K
+from tinyserve.served_models import ModelSpec
 from tinyserve.server import Server
 from tinyserve.text.tokenizer import Tokenizer
 
@@ -61,10 +64,60 @@ class FakeRunner:
         return StepResult(plan.step_id, tuple(outs))
 
 
+class GuidedFakeRunner(FakeRunner):
+    """A FakeRunner that keeps to a request's constraints as the ModelRunner does: the
+    engine's LogitsProcessors over a real llguidance compiler (stories260k's tokenizer) fill
+    the masks, the drawn token is ``next_token`` moved to the next id the mask and the -100 /
+    min_tokens bans allow, and a row they leave nothing for ends as the runner ends it."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        import torch
+
+        from tinyserve.engine.logits_processing import LogitsProcessors
+        from tinyserve.text.grammar import GrammarCompiler
+
+        tok = Tokenizer(STORIES260K)
+        self.grammars = GrammarCompiler(tok, 512, tok.eos_token_ids)
+        self.logits = LogitsProcessors(512, tuple(tok.eos_token_ids), torch.device("cpu"))
+        self.logits.grammars = self.grammars
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        import numpy as np
+
+        self.logits.forget(plan.freed)
+        base = super().execute(plan)
+        seqs = [s for s in plan.seqs if s.sample]
+        masks = self.logits.grammar_masks(seqs)
+        ends = self.logits.dead_ends(seqs, masks)
+        tokens, outs = [], []
+        for i, (s, out) in enumerate(zip(seqs, base.outputs, strict=True)):
+            end = ends.get(i)
+            if end is not None and not isinstance(end, int):
+                tokens.append(-1)
+                outs.append(SeqOutput(s.seq_id, -1, 0.0, error=end[1], error_reason=end[0]))
+                continue
+            allowed = np.ones(512, bool)
+            if masks is not None and s.params.guided is not None:
+                allowed = np.unpackbits(masks[i].view(np.uint8), bitorder="little")[:512] > 0
+            allowed[[t for t, b in s.params.logit_bias if b <= -100.0]] = False
+            allowed[list(s.banned)] = False
+            ids = np.flatnonzero(allowed)
+            tok = end if end is not None else int(
+                next((t for t in ids if t >= out.token_id), ids[0]))
+            tokens.append(tok)
+            outs.append(msgspec.structs.replace(out, token_id=tok))
+        if masks is not None:
+            self.logits.advance(seqs, tokens)
+        return StepResult(plan.step_id, tuple(outs))
+
+
 class FakeEngine:
     def __init__(self, runner: FakeRunner, max_model_len: int = 128, num_kv_blocks: int = 512,
                  block_size: int = 16) -> None:
         self.runner = runner
+        if isinstance(runner, GuidedFakeRunner):  # the API compiles with the runner's cache
+            self.grammars = runner.grammars
         self.tokenizer = Tokenizer(STORIES260K)
         self.info = EngineInfo(
             model_path=str(STORIES260K), device="cpu", dtype="float32", quantization=None,

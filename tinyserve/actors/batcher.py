@@ -36,6 +36,7 @@ from tinyserve.core.slo import SloController
 from tinyserve.messages import (
     Abort,
     AbortAll,
+    ConstraintFailed,
     Failed,
     FieldError,
     Output,
@@ -254,6 +255,9 @@ class Batcher:
         now = time.monotonic()
         tokens = 0  # vLLM's iteration tokens: see StepStats.num_tokens
         for req in self.core.process(plan, result):
+            if req.seq.finish_reason == "error" and req.seq.error is not None:
+                self._constraint_failed(req)
+                continue
             if req.seq.finish_reason == "error":
                 reply(req, Failed(500, "the engine failed while running this request"))
                 self._end(req, None)
@@ -274,6 +278,18 @@ class Batcher:
                 self._end(req, req.seq.finish_reason)
         self._tick()
         self._emit_stats(tokens)
+
+    def _constraint_failed(self, req: Request) -> None:
+        """Its constraints could not go on: never a normal finish (that would pass off an
+        output outside them as a clean one), an error the client sees, logged and counted."""
+        reason, message = req.seq.error
+        log.warning("request %d ended after %d tokens: %s", req.request_id,
+                    req.seq.num_output_tokens, message)
+        self._metrics.emit(ConstraintFailed(self.model, reason))
+        # nothing_allowed: the request's own bans; grammar: the server's matcher gave up
+        reply(req, Failed(400 if reason == "nothing_allowed" else 500, message,
+                          param="logit_bias" if reason == "nothing_allowed" else None))
+        self._end(req, None)
 
     def _tick(self) -> None:
         if self.slo.tick(idle=not self.core.has_unfinished) is not None:

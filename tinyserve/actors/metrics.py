@@ -22,6 +22,7 @@ from tinyserve.config import METRICS_NAMESPACES
 from tinyserve.messages import (
     AdmissionRejected,
     ApiAnswered,
+    ConstraintFailed,
     RequestFailed,
     RequestFinished,
     Rerouted,
@@ -161,6 +162,10 @@ class Metrics:
         self.api_requests = Counter(p + "api_requests", "API requests answered, by route "
                                     "(its path template) and HTTP status (499: the client "
                                     "left first)", ["endpoint", "code"], registry=r)
+        self.constraint_failures = per_model(
+            C, "constraint_failures", "Requests ended with an error mid-generation because "
+            "their constraints could not go on: reason grammar (the matcher failed) or "
+            "nothing_allowed (grammar, logit_bias bans and min_tokens left no token)", "reason")
         self.dropped = Counter(p + "metrics_events_dropped", "Metric events dropped (full inbox)",
                                registry=r)
         self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
@@ -173,9 +178,11 @@ class Metrics:
                                                    "cache_dtype": cache_dtype,
                                                    "num_blocks": str(num_blocks),
                                                    "num_gpu_blocks": str(num_blocks)})
+        for reason in ("grammar", "nothing_allowed"):  # rare: exported at 0 until they happen
+            self.constraint_failures.labels(model, model, reason)
 
     def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected
-             | Rerouted | ApiAnswered) -> None:
+             | Rerouted | ApiAnswered | ConstraintFailed) -> None:
         try:
             self.inbox.put_nowait(event)
         except asyncio.QueueFull:
@@ -207,6 +214,8 @@ class Metrics:
                     self.api_requests.labels(ev.endpoint, ev.code).inc()
                 case AdmissionRejected():
                     self.rejections.labels(ev.model, ev.model, ev.tenant, ev.reason).inc()
+                case ConstraintFailed():
+                    self.constraint_failures.labels(ev.model, ev.model, ev.reason).inc()
                 case Rerouted():
                     self.fallbacks.labels(ev.model, ev.model, ev.fallback, ev.tenant,
                                           ev.reason).inc()

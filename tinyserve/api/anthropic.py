@@ -240,5 +240,5 @@ class MessagesRoutes:
         serving = healthy(self._ctx)
         async with self._ctx.parsing:
             chat, _ = chat_request(decode(await read_body(request), CountTokensRequest))
-            _, _, (prompts, _, _) = await prepare(serving, tenant, chat)
+            _, _, (prompts, _, _) = await prepare(serving, tenant, chat, admit=False)
         return json_response(TokenCount(len(prompts[0])))

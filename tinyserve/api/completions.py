@@ -8,13 +8,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 
 from tinyserve.api.auth import authenticate
 from tinyserve.api.context import ApiContext, Serving, read_body
 from tinyserve.api.errors import ApiError
 from tinyserve.api.fields import decode_request
-from tinyserve.api.generate import Generator, Job
+from tinyserve.api.generate import Generator, Job, check_before_compile
 from tinyserve.api.info import route
 from tinyserve.api.prompts import PromptParser, batch_of
 from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
@@ -63,22 +65,29 @@ def healthy(ctx: ApiContext) -> Serving:
     return serving
 
 
-async def prepare(serving: Serving, tenant: TenantConfig, req: Generating
+async def prepare(serving: Serving, tenant: TenantConfig, req: Generating, admit: bool = True
                   ) -> tuple[str, PromptParser,
                              tuple[list[list[int]], SamplingParams, ToolPlan | None]]:
     """A decoded request -> the served model it routes to, that model's parser, and what
     ``parse`` makes of it there. The Responses and Messages APIs come here with the chat
-    request they translate to."""
+    request they translate to. ``admit``: the request is to run, so the admission checks
+    that need no grammar run before one is compiled (not for counting tokens)."""
     model = route(serving, req.model, tenant, req.user)
     parser = serving.parsers[model]
-    return model, parser, await parse(parser, req, tenant.cache_salt.decode())
+
+    def admissible(prompts: list[list[int]], params: SamplingParams) -> None:
+        check_before_compile(serving, Job(prompts, params, req.n, tenant, model, False, None))
+    return model, parser, await parse(parser, req, tenant.cache_salt.decode(),
+                                      admissible if admit else None)
 
 
-async def parse(parser: PromptParser, req: Generating, grammar_scope: str = ""
+async def parse(parser: PromptParser, req: Generating, grammar_scope: str = "",
+                before_compile: Callable[[list[list[int]], SamplingParams], None] | None = None
                 ) -> tuple[list[list[int]], SamplingParams, ToolPlan | None]:
     """A decoded request routed to this model -> the token ids of its prompts (one, or a
     completions batch), its sampling parameters and its tools (chat). ``grammar_scope``: the
-    tenant's cache group."""
+    tenant's cache group; ``before_compile``: the admission checks that can run before a
+    grammar is compiled (raising ApiError), so a refused request costs no compile."""
     chat = isinstance(req, ChatCompletionRequest)
     tools = tools_plan(req.tools, req.tool_choice, parser.tool_parser,
                        req.parallel_tool_calls) if chat else None
@@ -91,9 +100,21 @@ async def parse(parser: PromptParser, req: Generating, grammar_scope: str = ""
                                   req.n * sum(len(p) - 1 for p in prompts))
     except FieldError as e:
         raise ApiError.from_field(e) from None
+    if before_compile is not None:
+        before_compile(prompts, params)
     if params.guided is not None:
         await parser.check_grammar(params.guided, grammar_field)
+        _check_bans_leave_a_start(parser, params)
     return prompts, params, tools
+
+
+def _check_bans_leave_a_start(parser: PromptParser, params: SamplingParams) -> None:
+    """A grammar whose every first token logit_bias bans could only emit a banned token: a
+    400 now, not an error after admission (the compiled grammar is cached: no recompile)."""
+    banned = {t for t, b in params.logit_bias if b <= -100.0}
+    if banned and not parser.grammars.compile(params.guided).first_allows_any(banned):
+        raise ApiError(400, "logit_bias: its -100 bans leave none of the tokens the grammar "
+                       "allows first, so nothing can be generated", param="logit_bias")
 
 
 def _shaper(req: Generating, parser: PromptParser, params: SamplingParams,

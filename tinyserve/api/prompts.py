@@ -44,13 +44,16 @@ class PromptParser:
 
     def __init__(self, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
                  root: str = "", grammars: GrammarCompiler | None = None,
-                 tool_parser: str = "auto") -> None:
+                 tool_parser: str = "auto", special_tokens_in_content: str = "text") -> None:
         self.root = root  # the checkpoint (GET /v1/models)
         self.grammars = grammars  # the engine's (shared with its runner: one compile cache)
         if tool_parser == "auto":  # Hermes-style templates show calls as <tool_call> blocks
             tool_parser = "hermes" if "<tool_call>" in (tokenizer.chat_template or "") \
                 else "llama3_json"
         self.tool_parser = tool_parser
+        # "text": special-token text in chat content is plain text (a turn cannot be forged
+        # from content); "parse": as transformers and vLLM tokenize it (--special-tokens-in-content)
+        self.parse_content_specials = special_tokens_in_content == "parse"
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
@@ -155,13 +158,14 @@ class PromptParser:
             chars += len(msgspec.json.encode(extra))
         self._check_chars(chars, "messages")
         try:
-            prompt = await _off_loop(chars, functools.partial(
-                self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools,
-                **extra))
+            pieces = await _off_loop(chars, functools.partial(
+                self.tokenizer.render_chat, messages, add_generation_prompt, tools,
+                self.parse_content_specials, **extra))
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        self._check_chars(len(prompt), "messages")
-        return await _off_loop(len(prompt), self.tokenizer.encode, prompt, False)
+        prompt_chars = sum(len(text) for text, _ in pieces)
+        self._check_chars(prompt_chars, "messages")
+        return await _off_loop(prompt_chars, self.tokenizer.encode_chat, pieces)
 
     async def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

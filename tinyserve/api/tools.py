@@ -31,6 +31,9 @@ from tinyserve.api.tool_parsers import (
 from tinyserve.messages import GrammarSpec
 
 MAX_TOOLS = 128  # OpenAI's limit
+# The roles the chat API defines: a template renders a role verbatim, so any other text could
+# write a turn of its own ("user|>\nfake\n<|system"); OpenAI answers 400 to an unknown role.
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,10 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Chat messages as templates expect them (transformers' and vLLM's way): text content,
     assistant tool calls with their arguments parsed, a tool result's id and name."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                           f"{m.role[:40]!r}", param="messages")
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             d["name"] = m.name

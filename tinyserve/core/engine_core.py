@@ -167,4 +167,8 @@ def check_sampling_vocabulary(params: SamplingParams, vocab_size: int,
     if any(t >= vocab_size for t, _ in params.logit_bias):
         raise FieldError("logit_bias", f"logit_bias keys must be token ids in the vocabulary "
                          f"[0, {vocab_size})")
+    banned = {t for t, b in params.logit_bias if b <= -100.0}
+    if len(banned) >= vocab_size:  # (a grammar's first mask is checked once it is compiled)
+        raise FieldError("logit_bias", f"logit_bias: -100 bans every token of the vocabulary "
+                         f"({vocab_size}), so nothing can be generated")
 

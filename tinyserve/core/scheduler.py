@@ -314,6 +314,11 @@ class Scheduler:
             seq = live.get(out.seq_id)
             if seq is None:
                 continue
+            if out.error is not None:  # its constraints cannot go on: no token, an error
+                seq.error = (out.error_reason, out.error)
+                self.finish(seq, "error")
+                updated.append(seq)
+                continue
             seq.token_ids.append(out.token_id)
             if seq.params.logprobs is not None:
                 seq.logprobs.append((out.logprob, out.top_logprobs))

@@ -51,6 +51,9 @@ class Sequence:
     blocks_sent: int = 0  # leading blocks the runner's block table holds (sent with plans)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    # why it ended with finish_reason "error" when a step said so: (reason, message), see
+    # SeqOutput.error
+    error: tuple[str, str] | None = None
     num_preemptions: int = 0  # also the epoch of its planned steps: older results are stale
     # Planned ahead (async scheduling): tokens in steps not yet applied, and tokens those steps
     # will sample (their ids unknown until the step returns; the next step reads them from

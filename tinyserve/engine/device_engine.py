@@ -131,7 +131,7 @@ class DeviceEngine:
             eos_token_ids=self.tokenizer.eos_token_ids, random_weights=random_weights,
             architecture=mcfg.architecture,
             kv_window=mcfg.sliding_window if mcfg.every_layer_windowed else None)
-        self.grammars = _grammar_compiler(self.tokenizer, mcfg.vocab_size)
+        self.grammars = _grammar_compiler(self.tokenizer, mcfg.vocab_size, cfg)
         self.runner.logits.grammars = self.grammars
         if weights.quantization:
             log.info("%s weights: %.2f MiB -> %.2f MiB (%.2fx smaller than %s)",
@@ -180,13 +180,16 @@ class DeviceEngine:
         return max(1, min(want, budget // per_block))
 
 
-def _grammar_compiler(tokenizer, vocab_size: int):
+def _grammar_compiler(tokenizer, vocab_size: int, cfg: EngineConfig):
     """Structured output for this model (its token trie: O(vocab), 0.7 s at 128K tokens); None
     when the tokenizer has no EOS to end a grammar with (guided requests are then refused)."""
     from tinyserve.text.grammar import GrammarCompiler
 
     try:
-        return GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids)
+        return GrammarCompiler(tokenizer, vocab_size, tokenizer.eos_token_ids,
+                               cache_bytes=cfg.grammar_cache_bytes,
+                               scope_cache_bytes=cfg.grammar_tenant_cache_bytes,
+                               max_grammar_bytes=cfg.grammar_max_bytes)
     except ValueError as e:
         log.warning("structured output disabled: %s", e)
         return None

@@ -139,6 +139,7 @@ class LogitsProcessors:
         # seq id -> its grammar matcher and the output tokens it has accepted
         self._matchers: dict[int, tuple[Matcher | None, list[int]]] = {}
         self._histories: dict[int, History] = {}  # penalized sequences' counts
+        self._failed: dict[int, tuple[str, str]] = {}  # this step's rows whose grammar failed
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         """Released sequences (a preempted one replays its output into a new matcher)."""
@@ -148,25 +149,69 @@ class LogitsProcessors:
 
     def grammar_masks(self, seqs: list[ScheduledSeq]) -> np.ndarray | None:
         """[n, ceil(V / 32)] int32 allowed-token bits (all ones for unconstrained rows); None
-        when no row has a grammar. A row at a dead end (or whose grammar failed) may only end:
-        its EOS ids."""
+        when no row has a grammar. A row whose grammar failed or is at a dead end allows
+        nothing: ``dead_ends`` ends it with an error, never with a token."""
+        self._failed = {}
         if not any(s.params.guided is not None for s in seqs):
             return None
-        V = self.vocab_size
-        words = np.full((len(seqs), -(-V // 32)), -1, np.int32)
+        words = np.full((len(seqs), -(-self.vocab_size // 32)), -1, np.int32)
         for i, s in enumerate(seqs):
-            if s.params.guided is None:
-                continue
-            if not _guarded(self._fill, s, words[i]):
-                words[i] = 0
-                bits = words[i].view(np.uint32)
-                for t in self.eos_token_ids:
-                    bits[t // 32] |= np.uint32(1 << (t % 32))
+            if s.params.guided is not None:
+                why = self._fill(s, words[i])
+                if why is not None:
+                    words[i] = 0
+                    self._failed[i] = ("grammar", f"structured output: {why}; the output "
+                                       "so far does not satisfy it, so the request ends here")
         return words
 
-    def _fill(self, s: ScheduledSeq, row: np.ndarray) -> bool:
-        m = self._matcher(s)
-        return m is not None and m.fill(row)
+    def _fill(self, s: ScheduledSeq, row: np.ndarray) -> str | None:
+        """Fill the row's mask; None, or why the grammar allows nothing."""
+        try:
+            m = self._matcher(s)
+            if m is None:
+                return "the grammar does not compile"
+            if m.fill(row):
+                return None
+            err = m.error
+            if err is not None:
+                return f"the grammar matcher failed after {m.num_accepted} tokens: {err}"
+            return f"the grammar allows no token after {m.num_accepted} tokens (a dead end)"
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # llguidance's PanicException is a BaseException
+            log.exception("seq %d: grammar matcher failed", s.seq_id)
+            return f"the grammar matcher failed: {str(e)[:200]}"
+
+    def dead_ends(self, seqs: list[ScheduledSeq], masks: np.ndarray | None
+                  ) -> dict[int, int | tuple[str, str]]:
+        """Rows where the grammar, logit_bias bans and min_tokens bans leave no token (the
+        sampler would draw a banned one): row -> the EOS id to end with, where the request
+        allows EOS (only min_tokens bans it), else (reason, message) to end with an error.
+        O(V / 32) per row that bans tokens or has a grammar; nothing for the others."""
+        out: dict[int, int | tuple[str, str]] = dict(self._failed)
+        V = self.vocab_size
+        for i, s in enumerate(seqs):
+            p = s.params
+            hard = [t for t, b in p.logit_bias if b <= -100.0]
+            if i in out or not (hard or s.banned):
+                continue
+            guided = masks is not None and p.guided is not None
+            if guided:
+                bits = np.unpackbits(masks[i].view(np.uint8), bitorder="little")[:V].astype(bool)
+            else:
+                if len(set(hard) | set(s.banned)) < V:
+                    continue
+                bits = np.ones(V, bool)
+            allowed_eos = [t for t in self.eos_token_ids if t < V and bits[t]]
+            bits[hard] = False
+            bits[list(s.banned)] = False
+            if bits.any():
+                continue
+            eos = [t for t in allowed_eos if t not in hard]
+            out[i] = eos[0] if eos else ("nothing_allowed", "logit_bias: its -100 bans, "
+                                         "min_tokens and the grammar leave no token to "
+                                         f"draw after {len(s.output_ids or ())} tokens")
+        return out
 
     def _matcher(self, s: ScheduledSeq) -> Matcher | None:
         """The sequence's matcher, caught up with its output (``output_ids``, the pending
@@ -175,8 +220,8 @@ class LogitsProcessors:
         if entry is None:
             try:
                 entry = (self.grammars.matcher(s.params.guided), [])
-            except Exception:  # refused at the API; offline, it just ends (never the step)
-                log.warning("seq %d: its grammar does not compile: it can only end", s.seq_id)
+            except Exception:  # refused at the API; offline, it ends with an error
+                log.warning("seq %d: its grammar does not compile", s.seq_id)
                 entry = (None, [])
             self._matchers[s.seq_id] = entry
         m, accepted = entry
@@ -268,8 +313,8 @@ def _whole_vocabulary(logits: torch.Tensor, targets: Sequence[int], lps: list[fl
 
 
 def _guarded(fn, *args) -> bool:
-    """A grammar call that fails counts as False (a dead end for that sequence): never the
-    step's failure. llguidance reports a Rust panic as pyo3's PanicException, a
+    """A grammar call that fails counts as False (the next mask reports the sequence's
+    failure): never the step's failure. llguidance reports a Rust panic as pyo3's PanicException, a
     BaseException, which would otherwise end the executor's worker thread."""
     try:
         return bool(fn(*args))

@@ -352,16 +352,23 @@ class ModelRunner:
             processed=self.logits.processed(logits, seqs),
             allowed=None if masks is None else torch.from_numpy(masks).to(self.device))
         tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
+        # A row whose constraints leave nothing drew a banned token: it ends instead, with
+        # EOS where the request allows it, else with an error (never the banned token).
+        ends = self.logits.dead_ends(seqs, masks)
+        for i, end in ends.items():
+            tokens_l[i] = end if isinstance(end, int) else -1
         if masks is not None:
             self.logits.advance(seqs, tokens_l)
-        if top_ids is None:
-            return tuple(SeqOutput(s.seq_id, t, lp, None if p.logprobs is None else ())
-                         for s, p, t, lp in zip(seqs, params, tokens_l, lps_l, strict=True))
-        tops = list(zip(top_ids.tolist(), top_lps.tolist(), strict=True))
+        tops = None if top_ids is None else list(zip(top_ids.tolist(), top_lps.tolist(),
+                                                     strict=True))
         out = []
         for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
-            top = None
-            if p.logprobs is not None:
+            end = ends.get(i)
+            if end is not None and not isinstance(end, int):
+                out.append(SeqOutput(s.seq_id, -1, 0.0, error=end[1], error_reason=end[0]))
+                continue
+            top = None if p.logprobs is None else ()
+            if tops is not None and p.logprobs is not None:
                 ids, lps = tops[i]
                 top = tuple(zip(ids[: p.logprobs], lps[: p.logprobs], strict=True))
             out.append(SeqOutput(s.seq_id, tokens_l[i], lps_l[i], top))

@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from tinyserve.gguf_file import is_gguf
-from tinyserve.text.chat_template import compile_chat_template
+from tinyserve.text.chat_template import ContentSpecials, compile_chat_template
 from tinyserve.text.gguf_tokenizer import gguf_tokenizer
 
 log = logging.getLogger(__name__)
@@ -81,16 +82,17 @@ class Tokenizer:
         # character per byte, SentencePiece pieces one per character plus the "▁"): the API
         # rejects text longer than max_model_len of these without tokenizing it.
         self.max_token_chars = max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
+        decoder = self._tok.get_added_tokens_decoder()
+        self._content_specials = ContentSpecials([decoder[i].content for i in self.special_ids])
+        # special-token text as text (built lazily), for a piece at the prompt's start or not
+        self._plain_toks: dict[bool, HFTokenizer] = {}
+        self._plain_lock = threading.Lock()
 
     def add_eos_ids(self, ids: list[int] | tuple[int, ...]) -> None:
         self.eos_token_ids = self.eos_token_ids | frozenset(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > 1024:  # encode_batch releases the GIL (encode does not): a worker
-            # thread tokenizing a long prompt then does not stall the event loop
-            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        else:
-            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode(self._tok, text, add_special_tokens)
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id, *ids]
@@ -140,3 +142,48 @@ class Tokenizer:
                 **template_kwargs)
         except Exception as e:  # template errors are the request's problem, not the server's
             raise ValueError(f"messages: the chat template rejected them: {e}") from e
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, parse_content_specials: bool = False,
+                    **template_kwargs: Any) -> list[tuple[str, bool]]:
+        """The chat prompt as (text, plain) pieces for ``encode_chat``: special-token text in
+        message content is plain text (and the fallback template's markers cannot be written
+        by content) unless ``parse_content_specials`` (transformers' and vLLM's way: the
+        rendered prompt tokenized whole). See chat_template.ContentSpecials."""
+        if parse_content_specials:
+            return [(self.apply_chat_template(messages, add_generation_prompt, tools,
+                                              **template_kwargs), False)]
+        marked, found = self._content_specials.mark(messages, self.chat_template is None)
+        rendered = self.apply_chat_template(marked, add_generation_prompt, tools,
+                                            **template_kwargs)
+        return self._content_specials.pieces(rendered, found)
+
+    def encode_chat(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """``render_chat``'s pieces -> ids (no BOS added: the template writes its own)."""
+        ids: list[int] = []
+        for i, (text, plain) in enumerate(pieces):
+            ids += _encode(self._plain(at_start=i == 0) if plain else self._tok, text, False)
+        return ids
+
+    def _plain(self, at_start: bool) -> HFTokenizer:
+        """A copy that tokenizes special-token text as text (its own object: the setting is
+        per tokenizer, and worker threads encode with the shared one meanwhile)."""
+        with self._plain_lock:
+            tok = self._plain_toks.get(at_start)
+            if tok is None:
+                tok = HFTokenizer.from_str(self._tok.to_str())
+                tok.encode_special_tokens = True
+                # A piece after the prompt's start follows one of the template's special
+                # tokens: a Metaspace that prefixes "▁" only at the start of the input must
+                # not prefix it there (at the start it does, as the whole prompt's would).
+                if not at_start and getattr(tok.pre_tokenizer, "prepend_scheme", None) == "first":
+                    tok.pre_tokenizer.prepend_scheme = "never"
+                self._plain_toks[at_start] = tok
+            return tok
+
+
+def _encode(tok: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > 1024:  # encode_batch releases the GIL (encode does not): a worker thread
+        # tokenizing a long prompt then does not stall the event loop
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tok.encode(text, add_special_tokens=add_special_tokens).ids
