@@ -89,7 +89,7 @@ def outcome(comp, params: SamplingParams, banned: tuple[int, ...] = ()):
     lp = LogitsProcessors(VOCAB, (EOS,), torch.device("cpu"))
     lp.grammars = comp
     s = [seq(params, banned=banned)]
-    return lp.dead_ends(s, lp.grammar_masks(s)).get(0)
+    return lp.dead_ends(s, *lp.grammar_masks(s)).get(0)
 
 
 def test_bans_that_leave_nothing_end_the_request(comp):
@@ -118,3 +118,81 @@ def test_all_banned_from_the_start_is_refused():
     with pytest.raises(FieldError, match="bans every token"):
         check_sampling_vocabulary(SamplingParams(logit_bias=tuple((t, -100.0) for t in range(VOCAB))), VOCAB)
     check_sampling_vocabulary(SamplingParams(logit_bias=tuple((t, -100.0) for t in range(1, VOCAB))), VOCAB)
+
+
+@pytest.mark.parametrize("n", [3, 3000])
+def test_a_choice_list_holding_the_empty_string(comp, tok, n):
+    # "" cannot be part of a lexeme: it made each value a parser rule again, and past 2,000
+    # the matcher failed mid-output
+    values = [""] + [f"c{i}" for i in range(n)]
+    for pick in (lambda a: int(a[-1]), lambda a: int(a[0])):
+        assert greedy_walk(comp, tok, choice(values), pick) in set(values)
+    m = comp.matcher(choice(values))
+    words = np.zeros(bitmask_words(VOCAB), np.int32)
+    assert m.fill(words) and np.unpackbits(words.view(np.uint8), bitorder="little")[EOS]
+    assert greedy_walk(comp, tok, choice([""]), lambda a: int(a[0])) == ""
+
+
+def test_a_full_lexer_ends_one_request_and_leaves_the_cache(tok):
+    """The lexer's automaton is built lazily inside the cached grammar and grows with what
+    outputs explore: bounded by MAX_LEXER_STATES (a 16-byte regex grew one to 150 MB under
+    llguidance's default); past it the request ends with reason "grammar" and the grammar
+    leaves the cache, so the next request compiles it afresh instead of failing at once."""
+    import random
+    comp = GrammarCompiler(tok, VOCAB, tok.eos_token_ids)
+    lp = LogitsProcessors(VOCAB, (EOS,), torch.device("cpu"))
+    lp.grammars = comp
+    spec = GrammarSpec("regex", "(a|b)*a(a|b){20}")
+    first = comp.compile(spec)
+    rng = random.Random(0)
+    failure = None
+    for seq_id in range(2000):
+        out: list[int] = []
+        for _ in range(1500):
+            s = ScheduledSeq(seq_id, (1,), 0, (), True, SamplingParams(guided=spec), 0,
+                             output_ids=tuple(out))
+            masks, failed = lp.grammar_masks([s])
+            if failed:
+                failure = failed[0]
+                break
+            allowed = [t for t in np.flatnonzero(np.unpackbits(
+                masks[0].view(np.uint8), bitorder="little")[:VOCAB]) if t != EOS]
+            out.append(int(rng.choice(allowed)))
+            lp.advance([s], [out[-1]])
+        lp.forget([seq_id])
+        if failure is not None:
+            break
+    assert failure is not None and failure[0] == "grammar" and "too many states" in failure[1]
+    assert comp.compile(spec) is not first  # compiled afresh: a new request runs
+    s = ScheduledSeq(99_999, (1,), 0, (), True, SamplingParams(guided=spec), 0, output_ids=())
+    assert lp.grammar_masks([s])[1] == {}
+
+
+def test_concurrent_requests_for_one_spec_compile_it_once(tok, monkeypatch):
+    import threading
+    import time
+    comp = GrammarCompiler(tok, VOCAB, tok.eos_token_ids)
+    calls = []
+    compile_ = comp._compile
+
+    def slow(spec):
+        calls.append(spec)
+        time.sleep(0.2)  # every other request arrives while this one compiles
+        return compile_(spec)
+    monkeypatch.setattr(comp, "_compile", slow)
+    results, errors = [], []
+
+    def request(spec):
+        try:
+            results.append(comp.compile(spec))
+        except ValueError as e:
+            errors.append(str(e))
+    good, bad = choice([f"v{i}" for i in range(100)]), GrammarSpec("regex", "(")
+    threads = [threading.Thread(target=request, args=(s,)) for s in [good] * 6 + [bad] * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls.count(good) == 1 and len(results) == 6 and len({id(r) for r in results}) == 1
+    assert calls.count(bad) == 1 and len(errors) == 3 and len(set(errors)) == 1
+    assert not comp._compiling

@@ -396,4 +396,7 @@ class ConstraintFailed(msgspec.Struct, frozen=True, tag=True):
     """A request ended mid-generation because its constraints could not go on."""
 
     model: str
-    reason: str  # "grammar" (the matcher failed) | "nothing_allowed" (grammar + bans + min_tokens)
+    # "grammar" (the request's grammar failed: a matcher limit) | "dead_end" (it allows no
+    # token) | "nothing_allowed" (grammar + bans + min_tokens leave none) | "grammar_crash"
+    # (the matcher raised: a 500)
+    reason: str

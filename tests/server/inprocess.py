@@ -88,8 +88,8 @@ class GuidedFakeRunner(FakeRunner):
         self.logits.forget(plan.freed)
         base = super().execute(plan)
         seqs = [s for s in plan.seqs if s.sample]
-        masks = self.logits.grammar_masks(seqs)
-        ends = self.logits.dead_ends(seqs, masks)
+        masks, failed = self.logits.grammar_masks(seqs)
+        ends = self.logits.dead_ends(seqs, masks, failed)
         tokens, outs = [], []
         for i, (s, out) in enumerate(zip(seqs, base.outputs, strict=True)):
             end = ends.get(i)

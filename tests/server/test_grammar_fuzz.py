@@ -263,3 +263,63 @@ def test_seventy_large_grammars_keep_memory_bounded(srv):
           f"(cache: {srv.runner.grammars.cached_bytes >> 20} MiB estimated)")
     assert grown < RSS_GROWTH_MB
     assert srv.runner.grammars.cached_bytes <= srv.runner.grammars.cache_bytes
+
+
+def test_a_grammar_that_dead_ends_is_the_clients_400_not_a_500(srv):
+    # "x" then a rule that can never end: the grammar allows "x" and then nothing; that is
+    # the request's own grammar, so a 400 (a 500 would count against the server's SLO)
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 8,
+            "guided_grammar": 'start: "x" a\na: a "x"'}
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            return await _send(s, srv.url, "/v1/completions", body)
+    status, got = asyncio.run(main())
+    assert status == 400 and "dead end" in got["error"]["message"], got
+    assert got["error"]["type"] == "invalid_request_error"
+    from tests.server.conftest import get, metric_value
+    _, text = get(srv.url + "/metrics")
+    assert metric_value(text, "tinyserve:constraint_failures_total", 'reason="grammar"') + \
+        metric_value(text, "tinyserve:constraint_failures_total", 'reason="dead_end"') >= 1
+
+
+def test_the_checks_before_compiling_are_admissions_own():
+    """A guided request's quota is checked before its grammar compiles: counted as
+    admission's refusals are, with the completion capped where the ladder caps it, and the
+    per-minute 400 naming n when n is what exceeds it."""
+    from tests.server.conftest import get, metric_value
+    from tinyserve.config import TenantConfig
+
+    key = "key-of-degradable"
+    server = InProcessServer(GuidedFakeRunner(), max_model_len=2048, tenants=(
+        TenantConfig("acme", key, tokens_per_minute=1000, degradable=True),))
+    h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    body = {"model": MODEL, "prompt": "Once", "guided_regex": "[a-z]{1,3}"}
+
+    async def send(**kw):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + "/v1/completions", data=json.dumps({**body, **kw}),
+                              headers=h) as r:
+                return r.status, await r.json(content_type=None)
+
+    async def level(n: int):
+        server.server.admission.lanes[MODEL].slo.level = n
+
+    try:
+        server.call(level(2))  # admission caps a degradable tenant's completion at 128
+        status, got = asyncio.run(send(max_tokens=1500))
+        assert status == 200, got
+        server.call(level(0))
+        status, got = asyncio.run(send(max_tokens=40, n=30))  # 30 x (2 + 40) > 1000
+        assert status == 400 and got["error"]["param"] == "n", got
+        async def spend():  # its whole minute, held by a request still running
+            server.server.admission.quotas.admit("acme", 1000)
+        server.call(spend())
+        before = server.runner.grammars.cached_bytes
+        status, got = asyncio.run(send(max_tokens=20, guided_regex="[a-z]{1,4}"))
+        assert status == 429, got  # its minute is spent: refused before compiling
+        assert server.runner.grammars.cached_bytes == before
+        _, text = get(server.url + "/metrics")
+        assert metric_value(text, "tinyserve:admission_rejections_total", 'tenant="acme"') >= 1
+    finally:
+        server.stop()

@@ -134,6 +134,24 @@ class Admission:
             self._emit(Rerouted(routed.name, lane.name, msg.tenant, why))
         msg.reply_to.put_nowait(Accepted(lane.name))
 
+    def refuse_before_compile(self, tenant: str, model: str, prompt_tokens: int,
+                              max_tokens: int) -> Failed | None:
+        """The tenant's quota for one choice as it stands now, asked before its grammar is
+        compiled (so a throttled tenant costs no compile): the refusal, counted as admission
+        counts its own, or None. The choice's cost is what admission would charge, with a
+        degradable tenant's completion capped where its model's ladder caps it; admission
+        checks again when the request arrives."""
+        if tenant not in self._tenants:
+            return None  # (admission will say)
+        lane = self.lanes.get(model, self._default)
+        if self._tenants[tenant].degradable and lane.slo.level >= 2:
+            max_tokens = min(max_tokens, DEGRADED_MAX_TOKENS)
+        refusal = self.quotas.refuse(tenant, prompt_tokens + max_tokens)
+        if refusal is None:
+            return None
+        self._emit(AdmissionRejected(tenant, refusal[0], lane.name))
+        return refusal[1]
+
     def _spill(self, lane: Lane, msg: Submit) -> tuple[Lane, Submit] | None:
         """A degradable request its model has no room for goes to the fallback, if that has
         room, fits it, and its own ladder would not shed it."""

@@ -286,8 +286,9 @@ class Batcher:
         log.warning("request %d ended after %d tokens: %s", req.request_id,
                     req.seq.num_output_tokens, message)
         self._metrics.emit(ConstraintFailed(self.model, reason))
-        # nothing_allowed: the request's own bans; grammar: the server's matcher gave up
-        reply(req, Failed(400 if reason == "nothing_allowed" else 500, message,
+        # The request's own constraints (its grammar, its bans) are a 4xx, as an invalid
+        # body would be; only the matcher raising is the server's fault (ConstraintFailed).
+        reply(req, Failed(500 if reason == "grammar_crash" else 400, message,
                           param="logit_bias" if reason == "nothing_allowed" else None))
         self._end(req, None)
 

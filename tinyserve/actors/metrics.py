@@ -164,8 +164,10 @@ class Metrics:
                                     "left first)", ["endpoint", "code"], registry=r)
         self.constraint_failures = per_model(
             C, "constraint_failures", "Requests ended with an error mid-generation because "
-            "their constraints could not go on: reason grammar (the matcher failed) or "
-            "nothing_allowed (grammar, logit_bias bans and min_tokens left no token)", "reason")
+            "their constraints could not go on: reason grammar (past a matcher limit), dead_end "
+            "(the grammar allows no token), nothing_allowed (grammar, logit_bias bans and "
+            "min_tokens leave no token) - all a 400 - or grammar_crash (the matcher raised: a "
+            "500)", "reason")
         self.dropped = Counter(p + "metrics_events_dropped", "Metric events dropped (full inbox)",
                                registry=r)
         self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
@@ -178,7 +180,8 @@ class Metrics:
                                                    "cache_dtype": cache_dtype,
                                                    "num_blocks": str(num_blocks),
                                                    "num_gpu_blocks": str(num_blocks)})
-        for reason in ("grammar", "nothing_allowed"):  # rare: exported at 0 until they happen
+        # rare: exported at 0 until they happen
+        for reason in ("grammar", "dead_end", "nothing_allowed", "grammar_crash"):
             self.constraint_failures.labels(model, model, reason)
 
     def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -27,6 +28,9 @@ from tinyserve.api.tools import plan as tools_plan
 from tinyserve.config import TenantConfig
 from tinyserve.core.engine_core import check_sampling_vocabulary
 from tinyserve.messages import FieldError, SamplingParams
+
+if TYPE_CHECKING:
+    from tinyserve.text.grammar import CompiledGrammar
 
 
 class CompletionRoutes:
@@ -100,19 +104,19 @@ async def parse(parser: PromptParser, req: Generating, grammar_scope: str = "",
                                   req.n * sum(len(p) - 1 for p in prompts))
     except FieldError as e:
         raise ApiError.from_field(e) from None
-    if before_compile is not None:
-        before_compile(prompts, params)
     if params.guided is not None:
-        await parser.check_grammar(params.guided, grammar_field)
-        _check_bans_leave_a_start(parser, params)
+        if before_compile is not None:
+            before_compile(prompts, params)
+        compiled = await parser.check_grammar(params.guided, grammar_field)
+        _check_bans_leave_a_start(compiled, params)
     return prompts, params, tools
 
 
-def _check_bans_leave_a_start(parser: PromptParser, params: SamplingParams) -> None:
+def _check_bans_leave_a_start(compiled: CompiledGrammar, params: SamplingParams) -> None:
     """A grammar whose every first token logit_bias bans could only emit a banned token: a
-    400 now, not an error after admission (the compiled grammar is cached: no recompile)."""
+    400 now, not an error after admission."""
     banned = {t for t, b in params.logit_bias if b <= -100.0}
-    if banned and not parser.grammars.compile(params.guided).first_allows_any(banned):
+    if banned and not compiled.first_allows_any(banned):
         raise ApiError(400, "logit_bias: its -100 bans leave none of the tokens the grammar "
                        "allows first, so nothing can be generated", param="logit_bias")
 

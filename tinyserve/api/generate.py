@@ -189,6 +189,10 @@ def _check_batch(serving: Serving, job: Job, choices: int) -> None:
                            f"({limit}); send fewer at once", param="prompt")
     cost = sum(len(p) for p in job.prompts) * job.n + choices * job.params.max_tokens
     if tenant.tokens_per_minute is not None and cost > tenant.tokens_per_minute:
+        if job.n > 1:
+            raise ApiError(400, f"n: {len(job.prompts)} prompt(s) x n={job.n} may use {cost} "
+                           f"tokens, more than the tenant's {tenant.tokens_per_minute} per "
+                           "minute; ask for fewer", param="n")
         raise ApiError(400, f"prompt: the batch may use {cost} tokens, more than the "
                        f"tenant's {tenant.tokens_per_minute} per minute", param="prompt")
 
@@ -196,16 +200,17 @@ def _check_batch(serving: Serving, job: Job, choices: int) -> None:
 def check_before_compile(serving: Serving, job: Job) -> None:
     """The admission checks that need no compiled grammar, run before compiling one, so a
     tenant throttled or over its limits costs the server no compile (a 30,000-value
-    guided_choice: ~0.1-1 s and tens of MB): the batch limits, then the tenant's quota as it
-    stands now for the first choice (admission checks each again when it arrives)."""
-    _check_batch(serving, job, len(job.prompts) * job.n)
-    if not job.prompts:
-        return
-    with contextlib.suppress(KeyError):  # (a tenant the quotas do not know: admission says)
-        refusal = serving.admission.quotas.refuse(
-            job.tenant.name, len(job.prompts[0]) + job.params.max_tokens)
+    guided_choice: ~0.1-1 s and tens of MB): a batch's limits (as ``run`` checks them), then
+    the tenant's quota as it stands now for the first choice (admission's own check, counted
+    as its refusals are; it checks each choice again when it arrives)."""
+    choices = len(job.prompts) * job.n
+    if choices > 1:
+        _check_batch(serving, job, choices)
+    if job.prompts:
+        refusal = serving.admission.refuse_before_compile(
+            job.tenant.name, job.model, len(job.prompts[0]), job.params.max_tokens)
         if refusal is not None:
-            raise ApiError.from_failed(refusal[1])
+            raise ApiError.from_failed(refusal)
 
 
 def _merged(iters: list[AsyncIterator[list[Output]]]) -> Merged:

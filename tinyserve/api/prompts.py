@@ -26,7 +26,7 @@ from tinyserve.messages import FieldError, GrammarSpec
 from tinyserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from tinyserve.text.grammar import GrammarCompiler
+    from tinyserve.text.grammar import CompiledGrammar, GrammarCompiler
 
 OFF_LOOP_CHARS = 4096  # inputs longer than this are templated / tokenized in a worker thread
 CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
@@ -103,14 +103,14 @@ class PromptParser:
             else "prompt"
         return self.max_tokens(requested, longest, param, prompt_param)
 
-    async def check_grammar(self, spec: GrammarSpec, field: str) -> None:
+    async def check_grammar(self, spec: GrammarSpec, field: str) -> CompiledGrammar:
         """Compile it now (cached for the runner): a bad or unsatisfiable one is a 400."""
         if self.grammars is None:
             raise ApiError(400, "structured output is not available for this model (its "
                            "tokenizer has no EOS token)", param=field,
                            code="unsupported_parameter")
         try:
-            await _off_loop(len(spec.value), self.grammars.compile, spec)
+            return await _off_loop(len(spec.value), self.grammars.compile, spec)
         except (ValueError, RecursionError) as e:
             raise ApiError(400, f"structured output: {e}", param=field) from None
 

@@ -139,7 +139,6 @@ class LogitsProcessors:
         # seq id -> its grammar matcher and the output tokens it has accepted
         self._matchers: dict[int, tuple[Matcher | None, list[int]]] = {}
         self._histories: dict[int, History] = {}  # penalized sequences' counts
-        self._failed: dict[int, tuple[str, str]] = {}  # this step's rows whose grammar failed
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         """Released sequences (a preempted one replays its output into a new matcher)."""
@@ -147,48 +146,61 @@ class LogitsProcessors:
             self._matchers.pop(seq_id, None)
             self._histories.pop(seq_id, None)
 
-    def grammar_masks(self, seqs: list[ScheduledSeq]) -> np.ndarray | None:
-        """[n, ceil(V / 32)] int32 allowed-token bits (all ones for unconstrained rows); None
-        when no row has a grammar. A row whose grammar failed or is at a dead end allows
-        nothing: ``dead_ends`` ends it with an error, never with a token."""
-        self._failed = {}
+    def grammar_masks(self, seqs: list[ScheduledSeq]
+                      ) -> tuple[np.ndarray | None, dict[int, tuple[str, str]]]:
+        """([n, ceil(V / 32)] int32 allowed-token bits, all ones for unconstrained rows, or
+        None when no row has a grammar; the rows whose grammar failed or is at a dead end,
+        row -> (reason, message)). Those rows allow nothing: ``dead_ends`` ends them with an
+        error, never with a token. (Returned, not kept: the next step's masks may be filled
+        before this step's dead ends are read.)"""
+        failed: dict[int, tuple[str, str]] = {}
         if not any(s.params.guided is not None for s in seqs):
-            return None
+            return None, failed
         words = np.full((len(seqs), -(-self.vocab_size // 32)), -1, np.int32)
         for i, s in enumerate(seqs):
             if s.params.guided is not None:
                 why = self._fill(s, words[i])
                 if why is not None:
                     words[i] = 0
-                    self._failed[i] = ("grammar", f"structured output: {why}; the output "
-                                       "so far does not satisfy it, so the request ends here")
-        return words
+                    failed[i] = (why[0], f"structured output: {why[1]}; the output "
+                                 "so far does not satisfy it, so the request ends here")
+        return words, failed
 
-    def _fill(self, s: ScheduledSeq, row: np.ndarray) -> str | None:
-        """Fill the row's mask; None, or why the grammar allows nothing."""
+    def _fill(self, s: ScheduledSeq, row: np.ndarray) -> tuple[str, str] | None:
+        """Fill the row's mask; None, or why the grammar allows nothing: (reason, message).
+        Reasons: ``grammar``, the request's grammar failed (it does not compile here, or its
+        matcher stopped: a dead end it reports as an error, or a limit); ``dead_end``, it
+        allows no token; ``grammar_crash``, the matcher itself raised (the server's fault).
+        """
         try:
             m = self._matcher(s)
             if m is None:
-                return "the grammar does not compile"
+                return "grammar", "the grammar does not compile"
             if m.fill(row):
                 return None
             err = m.error
             if err is not None:
-                return f"the grammar matcher failed after {m.num_accepted} tokens: {err}"
-            return f"the grammar allows no token after {m.num_accepted} tokens (a dead end)"
+                if "too many states" in err and self.grammars is not None:
+                    # its cached lexer is full: later requests compile it afresh (running
+                    # ones keep theirs), so one client's outputs cannot break it for others
+                    self.grammars.forget(s.params.guided)
+                return "grammar", (f"the grammar matcher stopped after {m.num_accepted} "
+                                   f"tokens (a dead end or a matcher limit): {err}")
+            return "dead_end", (f"the grammar allows no token after {m.num_accepted} tokens "
+                                "(a dead end)")
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # llguidance's PanicException is a BaseException
             log.exception("seq %d: grammar matcher failed", s.seq_id)
-            return f"the grammar matcher failed: {str(e)[:200]}"
+            return "grammar_crash", f"the grammar matcher failed: {str(e)[:200]}"
 
-    def dead_ends(self, seqs: list[ScheduledSeq], masks: np.ndarray | None
-                  ) -> dict[int, int | tuple[str, str]]:
+    def dead_ends(self, seqs: list[ScheduledSeq], masks: np.ndarray | None,
+                  failed: dict[int, tuple[str, str]]) -> dict[int, int | tuple[str, str]]:
         """Rows where the grammar, logit_bias bans and min_tokens bans leave no token (the
         sampler would draw a banned one): row -> the EOS id to end with, where the request
         allows EOS (only min_tokens bans it), else (reason, message) to end with an error.
         O(V / 32) per row that bans tokens or has a grammar; nothing for the others."""
-        out: dict[int, int | tuple[str, str]] = dict(self._failed)
+        out: dict[int, int | tuple[str, str]] = dict(failed)
         V = self.vocab_size
         for i, s in enumerate(seqs):
             p = s.params

@@ -50,7 +50,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -69,7 +69,12 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # (a schema's own "x-guidance" options win).
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _OPTIONS = '\n%llguidance {"no_forcing": true}\n'
-_LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # no parser-state dumps in errors
+# No parser-state dumps in errors; the lexer's lazily built automaton, which lives in the
+# cached grammar and grows with what outputs explore, bounded at MAX_LEXER_STATES (measured at
+# ~600 B a state: ~30 MB; llguidance's default, 250,000, let a 16-byte regex grow to 150 MB).
+# Past it the request ends with a 400 and the grammar leaves the cache (see forget).
+MAX_LEXER_STATES = 50_000
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False, max_lexer_states=MAX_LEXER_STATES)
 _LISTING = re.compile(r"\n\s*\d+ \| ")  # llguidance quotes the Lark source after the message
 _POSITION = re.compile(r"^at \d+\(\d+\): ")
 # guided_choice values. As one lexeme the real limit is llguidance's initial lexer fuel
@@ -81,6 +86,7 @@ MAX_CHOICES = 100_000
 # 30,000-value choice list's text (1.2 MB of text: +31 MB); plus a floor for the matcher.
 BYTES_PER_LARK_BYTE = 32
 GRAMMAR_FLOOR_BYTES = 64 * 1024
+COMPILE_SLOTS = 4  # compiles at once (each at most max_grammar_bytes): the rest wait
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -114,14 +120,16 @@ def _lark(spec: GrammarSpec) -> str:
         if len(choices) > MAX_CHOICES:
             raise ValueError(f"choice: {len(choices)} values, more than the limit of "
                              f"{MAX_CHOICES}")
-        alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
-        if "" in choices:  # a lexeme cannot be empty (only [""] and lists with "" come here)
-            return "start: " + alts
+        values = [c for c in dict.fromkeys(choices) if c]
+        if not values:  # only the empty output
+            return 'start: ""'
         # One lexeme, not a parser rule with an alternative per value: the Earley parser
         # holds one item per live alternative in a row and fails mid-output past 2,000
         # (max_items_in_row), while the lexer handles the list as one regex: 30,000 values
-        # compile in 0.12 s, not 1.3 s, and run (measured, see MAX_CHOICES).
-        return "start: CHOICE\nCHOICE: " + alts
+        # compile in 0.12 s, not 1.3 s, and run (measured, see MAX_CHOICES). A lexeme cannot
+        # be empty: "" in the list makes it optional.
+        alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in values)
+        return f"start: CHOICE{'?' if '' in choices else ''}\nCHOICE: " + alts
     if kind == "grammar":
         try:
             return any_to_lark(value)
@@ -156,6 +164,14 @@ class CompiledGrammar:
         return bool(bits.any())
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A compile in progress that other requests for the same spec wait on."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: ValueError | None = None
+
+
 class GrammarCompiler:
     """Compiles specs for one tokenizer and logits width, cached and bounded in bytes (each
     entry's estimate, see BYTES_PER_LARK_BYTE): per scope (``GrammarSpec.scope``: the
@@ -186,6 +202,8 @@ class GrammarCompiler:
         self._scope_count: dict[str, int] = {}
         self.cached_bytes = 0
         self._lock = threading.Lock()
+        self._compiling: dict[tuple[str, GrammarSpec], _Pending] = {}  # specs being compiled
+        self._slots = threading.BoundedSemaphore(COMPILE_SLOTS)
 
     @staticmethod
     def estimate_bytes(spec: GrammarSpec) -> int:
@@ -201,19 +219,38 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The compiled spec (cached); ValueError, with a message for the client, if the spec
-        is invalid, too large, or no output can satisfy it."""
+        is invalid, too large, or no output can satisfy it. Requests for a spec already
+        compiling wait for that compile (one compile a spec, not one a request), and at most
+        COMPILE_SLOTS compiles run at once, so memory spent compiling is bounded too."""
         key = (spec.scope, spec)
+        while True:
+            with self._lock:
+                hit = self._cache.get(key)
+                if hit is not None:
+                    self._cache.move_to_end(key)
+                    return hit[0]
+                pending = self._compiling.get(key)
+                mine = pending is None
+                if mine:
+                    self.check_size(spec)
+                    pending = self._compiling[key] = _Pending()
+            if mine:
+                break
+            pending.done.wait()
+            if pending.error is not None:
+                raise ValueError(str(pending.error))
+            # (compiled and cached: the loop finds it, unless already evicted: then ours)
+        try:
+            with self._slots:  # unlocked: a slow compile must not hold up matcher()
+                compiled = self._compile(spec)
+        except ValueError as e:
+            pending.error = e
+            raise
+        finally:
+            with self._lock:
+                del self._compiling[key]
+            pending.done.set()
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit[0]
-        self.check_size(spec)
-        compiled = self._compile(spec)  # unlocked: a slow compile must not hold up matcher()
-        with self._lock:
-            if key in self._cache:  # a racing compile's result wins
-                self._cache.move_to_end(key)
-                return self._cache[key][0]
             self._add(key, compiled, self.estimate_bytes(spec))
         return compiled
 
@@ -237,6 +274,13 @@ class GrammarCompiler:
         self.cached_bytes -= cost
         self._scope_bytes[key[0]] -= cost
         self._scope_count[key[0]] -= 1
+
+    def forget(self, spec: GrammarSpec) -> None:
+        """Drop a compiled spec from the cache (its lexer is full: the next request compiles
+        it afresh; matchers made from it keep it)."""
+        with self._lock:
+            if (spec.scope, spec) in self._cache:
+                self._evict((spec.scope, spec))
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         return Matcher(self.compile(spec))

@@ -83,10 +83,16 @@ class Tokenizer:
         # rejects text longer than max_model_len of these without tokenizing it.
         self.max_token_chars = max(len(piece) for piece in self._tok.get_vocab(with_added_tokens=True))
         decoder = self._tok.get_added_tokens_decoder()
-        self._content_specials = ContentSpecials([decoder[i].content for i in self.special_ids])
+        self._content_specials = ContentSpecials([
+            (decoder[i].content, decoder[i].lstrip, decoder[i].rstrip, decoder[i].normalized)
+            for i in self.special_ids], self._normalize)
         # special-token text as text (built lazily), for a piece at the prompt's start or not
         self._plain_toks: dict[bool, HFTokenizer] = {}
         self._plain_lock = threading.Lock()
+
+    def _normalize(self, text: str) -> str:
+        norm = self._tok.normalizer
+        return text if norm is None else norm.normalize_str(text)
 
     def add_eos_ids(self, ids: list[int] | tuple[int, ...]) -> None:
         self.eos_token_ids = self.eos_token_ids | frozenset(ids)
@@ -147,13 +153,15 @@ class Tokenizer:
                     tools: list[dict[str, Any]] | None = None, parse_content_specials: bool = False,
                     **template_kwargs: Any) -> list[tuple[str, bool]]:
         """The chat prompt as (text, plain) pieces for ``encode_chat``: special-token text in
-        message content is plain text (and the fallback template's markers cannot be written
-        by content) unless ``parse_content_specials`` (transformers' and vLLM's way: the
-        rendered prompt tokenized whole). See chat_template.ContentSpecials."""
+        any string of the request (messages, tools, template kwargs) is plain text (and the
+        fallback template's markers cannot be written by content) unless
+        ``parse_content_specials`` (transformers' and vLLM's way: the rendered prompt
+        tokenized whole). See chat_template.ContentSpecials."""
         if parse_content_specials:
             return [(self.apply_chat_template(messages, add_generation_prompt, tools,
                                               **template_kwargs), False)]
-        marked, found = self._content_specials.mark(messages, self.chat_template is None)
+        marked, (tools, template_kwargs), found = self._content_specials.mark(
+            messages, self.chat_template is None, tools, template_kwargs)
         rendered = self.apply_chat_template(marked, add_generation_prompt, tools,
                                             **template_kwargs)
         return self._content_specials.pieces(rendered, found)
