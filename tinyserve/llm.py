@@ -43,6 +43,10 @@ class LLM:
                                    block_size=block_size, num_kv_blocks=num_kv_blocks,
                                    **engine_kwargs)
         self.engine = DeviceEngine(self.config)
+        # As the server does before its first request: every kernel specialization compiled
+        # and, on a GPU, every decode bucket captured as a CUDA graph here, not in the middle
+        # of generate (nothing to do under the interpreter).
+        self.warm_up_info = self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer
         self.info = self.engine.info
         self.core = EngineCore(CoreConfig.from_engine(self.config, self.info), self.tokenizer)

@@ -49,8 +49,8 @@ class Server:
     def __init__(self, cfg: ServerConfig, models: Sequence[ModelSpec],
                  engines: dict[str, Any] | None = None, freeze_heap: bool = False) -> None:
         """``models``: what to serve (``served_models.build_models``). ``engines``: already built
-        engines by model name (``info``, ``tokenizer``, ``runner.execute``); tests pass fake
-        ones. Models without one are built from their EngineConfig in ``load``."""
+        engines by model name (``info``, ``tokenizer``, ``runner``: launch / finish, or
+        execute); tests pass fake ones. Models without one are built from their EngineConfig in ``load``."""
         self.cfg = cfg
         self.freeze_heap = freeze_heap  # gc.freeze once warmed up: only a process of its own
         self.models = tuple(models)
@@ -110,8 +110,9 @@ class Server:
         self._log_setup()
         for spec in self.models:
             warm_up = getattr(engines[spec.name], "warm_up", None)
-            if warm_up is not None:  # every kernel specialization, before the first request
-                await loop.run_in_executor(None, warm_up)
+            if warm_up is not None:  # every kernel specialization, before the first request,
+                # on the thread that runs the steps (CUDA graphs are captured there)
+                await self.executor.call_on_worker(warm_up)
             await self._warm_up(spec.name, engines[spec.name].tokenizer)
         if self.freeze_heap:
             # Everything alive now (weights, kernels, tokenizers, the interpreter's caches)
@@ -137,7 +138,7 @@ class Server:
         self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
                                max(m.engine.max_num_batched_tokens for m in self.models),
                                namespace=self.cfg.metrics_namespace)
-        self.executor = Executor({name: e.runner.execute for name, e in engines.items()})
+        self.executor = Executor({name: e.runner for name, e in engines.items()})
         lanes = []
         for spec in self.models:
             info, ecfg = infos[spec.name], spec.engine

@@ -5,9 +5,16 @@ step computes. The inbox takes (model name, StepPlan) and hands it to the worker
 once; each model's batcher keeps at most two steps in flight (the one running and the one
 planned behind it, so the worker never waits for the event loop between steps); the worker
 takes them round robin over the models with a step waiting, so busy models alternate step by
-step. A planned-ahead step holds PLACEHOLDER tokens where the step before it samples; the
-worker fills them in from that step's output, and hands each result straight to the model's
-batcher inbox.
+step. A planned-ahead step holds PLACEHOLDER tokens where the step before it samples.
+
+The worker launches a step (ModelRunner.launch queues it on the device and returns), then
+finishes the one before it (waits for its tokens, the step's one host sync) and hands that
+result straight to the model's batcher inbox: the device runs step N+1 while the host reads
+N's tokens, and N+1's placeholders are filled on the device from N's sampled tensor. A step
+whose sequences need N's tokens on the host (penalties, grammars) is launched after N is
+finished, its placeholders filled here. With nothing new to launch the worker waits for the
+oldest step or for a new one, whichever comes first. Runners with only ``execute`` (the
+tests' fakes) run each step whole.
 A step that raises becomes a StepResult with ``error`` set; the actor keeps serving.
 ``busy_since`` and ``failures`` (consecutive failed steps per model) are the snapshots the
 supervisor reads to see a wedged device or a failing model.
@@ -25,6 +32,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -35,9 +44,19 @@ log = logging.getLogger(__name__)
 STOP_WAIT_BUSY_S = 2.0  # at stop, how long a running step may take to end (GPU steps: ms)
 
 
+@dataclass(slots=True)
+class _InFlight:
+    model: str
+    plan: StepPlan
+    launched: Any  # the runner's handle (an execute-only runner's: the StepResult itself)
+    loop: asyncio.AbstractEventLoop
+    since: float  # time.monotonic() at launch
+
+
 class Executor:
-    def __init__(self, runners: dict[str, Callable[[StepPlan], StepResult]]) -> None:
-        # Each model's ModelRunner.execute: owns that model's weights and KV tensors.
+    def __init__(self, runners: dict[str, Any]) -> None:
+        # Each model's ModelRunner (launch / finish), or anything with execute(plan), or a
+        # function plan -> StepResult: owns that model's weights and KV tensors.
         self.runners = runners
         self.outboxes: dict[str, asyncio.Queue] = {}  # each model's batcher inbox (the server's)
         # Batchers put (model, plan) here; it goes straight to the worker thread (no relay
@@ -47,7 +66,8 @@ class Executor:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Set and cleared by the worker thread itself, so cancelling the task cannot hide a
         # step that is still running.
-        self.busy_since: float | None = None  # time.monotonic() when the running step began
+        # time.monotonic() when the oldest step still in flight was launched
+        self.busy_since: float | None = None
         self.failures = dict.fromkeys(runners, 0)  # consecutive failed steps, per model
         # Worker thread only: each model's last step's sampled tokens, for the placeholders
         # of the step planned behind it.
@@ -58,6 +78,7 @@ class Executor:
         self._failed: dict[str, frozenset[int]] = dict.fromkeys(runners, frozenset())
         # Steps handed to the worker, per model; it takes them round robin over the models.
         self._jobs: dict[str, collections.deque] = {name: collections.deque() for name in runners}
+        self._calls: collections.deque = collections.deque()  # call_on_worker's, first
         self._order = list(runners)
         self._next = 0
         self._ready = threading.Condition()
@@ -74,50 +95,138 @@ class Executor:
     def busy(self) -> bool:
         return self.busy_since is not None
 
-    def _take(self) -> tuple | None:
-        """The next step, round robin over the models that have one (None: stop)."""
+    def _take(self, wait: bool = True) -> tuple | None:
+        """The next job, round robin over the models that have one; None: stopping, or
+        (``wait`` False) nothing queued now."""
         with self._ready:
             while True:
                 if self._stopping:
                     return None
+                if self._calls:
+                    return self._calls.popleft()
                 for i in range(len(self._order)):
                     model = self._order[(self._next + i) % len(self._order)]
                     if self._jobs[model]:
                         self._next = (self._next + i + 1) % len(self._order)
                         return self._jobs[model].popleft()
+                if not wait:
+                    return None
                 self._ready.wait()
 
+    def _wait_for_step_or_job(self, oldest: _InFlight) -> None:
+        """Until the oldest step's tokens are ready or a new job is queued (polled: a
+        condition cannot wait on a CUDA event)."""
+        ready = getattr(oldest.launched, "ready", True)
+        with self._ready:
+            while not (ready() if callable(ready) else ready) and not self._stopping \
+                    and not self._queued():
+                self._ready.wait(0.0002)
+
+    def _queued(self) -> bool:
+        return bool(self._calls) or any(self._jobs.values())
+
     def _worker(self) -> None:
-        while (job := self._take()) is not None:
+        inflight: collections.deque[_InFlight] = collections.deque()
+        while True:
+            job = self._take(wait=not inflight)
+            if job is None:
+                if not inflight:
+                    return  # stopping, nothing left in flight
+                if self._stopping:
+                    self._finish(inflight.popleft(), inflight)
+                    continue
+                self._wait_for_step_or_job(inflight[0])
+                if not self._queued():
+                    self._finish(inflight.popleft(), inflight)
+                continue
             model, plan, loop = job
-            self.busy_since = time.monotonic()
-            try:
+            if model is None:  # call_on_worker: run alone, nothing in flight
+                while inflight:
+                    self._finish(inflight.popleft(), inflight)
+                plan()
+                continue
+            launch, _ = _step_functions(self.runners[model])
+            if not _fills_on_device(self.runners[model]) or _needs_host_tokens(plan):
+                while any(f.model == model for f in inflight):  # its previous tokens, here
+                    self._finish(inflight.popleft(), inflight)
                 plan = self._fill_placeholders(model, plan)
-                self._failed[model] = frozenset()
-                if plan.seqs or plan.freed:  # (freed rows must reach the runner's table)
-                    t0 = time.perf_counter()
-                    result = self.runners[model](plan)
-                    if not result.seconds:
-                        result = msgspec.structs.replace(result,
-                                                         seconds=time.perf_counter() - t0)
-                    self._sampled[model] = {o.seq_id: o.token_id for o in result.outputs}
-                    self.failures[model] = 0
-                else:  # all it held depended on a step that failed (or it was empty)
-                    result = StepResult(plan.step_id, ())
-            except Exception as e:  # a failed step must not take the server down
-                log.exception("%s: step %d failed", model, plan.step_id)
-                self._sampled[model] = {}
-                self._failed[model] = frozenset(s.seq_id for s in plan.seqs)
-                self.failures[model] += 1
-                result = StepResult(plan.step_id, (), error=f"{type(e).__name__}: {e}")
-            finally:
-                self.busy_since = None
-            # Straight to the batcher's inbox (sized for it); the next job is already queued
-            # here, so the worker goes on without waiting for the loop.
+            else:
+                plan = self._drop_failed(model, plan)
+            self._failed[model] = frozenset()
+            if not inflight:
+                self.busy_since = time.monotonic()
             try:
-                loop.call_soon_threadsafe(_deliver, self.outboxes[model], result)
-            except RuntimeError:  # the loop is closed: the server is gone
-                return
+                launched = launch(plan) if plan.seqs or plan.freed else StepResult(plan.step_id, ())
+            except Exception as e:  # a failed step must not take the server down
+                while any(f.model == model for f in inflight):  # results stay in step order
+                    self._finish(inflight.popleft(), inflight)
+                self._deliver(model, loop, self._failure(model, plan, e))
+                self.busy_since = inflight[0].since if inflight else None
+                continue
+            inflight.append(_InFlight(model, plan, launched, loop, time.monotonic()))
+            while len(inflight) > 1:  # the newest runs on while the host reads the oldest
+                self._finish(inflight.popleft(), inflight)
+
+    def _finish(self, step: _InFlight, inflight: collections.deque) -> None:
+        """Wait for a launched step's tokens, record them, and deliver its result."""
+        model, plan = step.model, step.plan
+        try:
+            if isinstance(step.launched, StepResult):
+                result = step.launched
+            else:
+                result = _step_functions(self.runners[model])[1](step.launched)
+            if plan.seqs:
+                if not result.seconds:
+                    result = msgspec.structs.replace(
+                        result, seconds=time.monotonic() - step.since)
+                self._sampled[model] = {o.seq_id: o.token_id for o in result.outputs}
+                self.failures[model] = 0
+        except Exception as e:
+            result = self._failure(model, plan, e)
+        self.busy_since = inflight[0].since if inflight else None
+        self._deliver(model, step.loop, result)
+
+    def _failure(self, model: str, plan: StepPlan, e: Exception) -> StepResult:
+        log.error("%s: step %d failed", model, plan.step_id, exc_info=e)
+        self._sampled[model] = {}
+        self._failed[model] = frozenset(s.seq_id for s in plan.seqs)
+        self.failures[model] += 1
+        return StepResult(plan.step_id, (), error=f"{type(e).__name__}: {e}")
+
+    def _deliver(self, model: str, loop: asyncio.AbstractEventLoop, result: StepResult) -> None:
+        # Straight to the batcher's inbox (sized for it); the next job is already queued
+        # here, so the worker goes on without waiting for the loop.
+        try:
+            loop.call_soon_threadsafe(_deliver, self.outboxes[model], result)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    def _drop_failed(self, model: str, plan: StepPlan) -> StepPlan:
+        """The plan without the sequences of the model's last step if it failed (the batcher
+        ends them; their next entries could fail the same way and take others with them)."""
+        failed = self._failed[model]
+        if not failed:
+            return plan
+        return msgspec.structs.replace(
+            plan, seqs=tuple(s for s in plan.seqs if s.seq_id not in failed))
+
+    async def call_on_worker(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the worker thread, with no step in flight (the warm-up: a CUDA graph is
+        captured on the thread that will replay it, with nothing else touching the device)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                out = fn()
+            except BaseException as e:  # noqa: BLE001 (handed to the awaiting task)
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, done, out, None)
+        with self._ready:
+            self._calls.append((None, run, loop))
+            self._ready.notify()
+        return await done
 
     def _fill_placeholders(self, model: str, plan: StepPlan) -> StepPlan:
         """Put the tokens the model's previous step sampled where this plan could only hold a
@@ -187,3 +296,30 @@ class _Handoff:
 
     def put_nowait(self, item: tuple[str, StepPlan]) -> None:
         self._executor._submit(*item)
+
+
+def _settle(done: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if not done.done():
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(value)
+
+
+def _step_functions(runner: Any) -> tuple[Callable, Callable]:
+    """(launch, finish): a ModelRunner's own; an execute-only runner's launch runs the whole
+    step and its finish is never called (its handle is the StepResult)."""
+    if hasattr(runner, "launch") and hasattr(runner, "finish"):
+        return runner.launch, runner.finish
+    return getattr(runner, "execute", runner), lambda result: result
+
+
+def _fills_on_device(runner: Any) -> bool:
+    """The runner takes PLACEHOLDER tokens from its previous step on the device."""
+    return hasattr(runner, "launch") and hasattr(runner, "finish")
+
+
+def _needs_host_tokens(plan: StepPlan) -> bool:
+    """A sequence whose logits processing reads its output so far (penalties, a grammar):
+    the previous step's token must be known on the host first."""
+    return any(s.output_ids and s.output_ids[-1] == PLACEHOLDER for s in plan.seqs)

@@ -12,26 +12,47 @@ Two paths:
 - eager: prefill and mixed steps (and everything with ``enforce_eager``) run the launchers
   directly with per-step tensors.
 
-Both read the persistent block table (block_tables.py); plans carry only new blocks. Results
-come back as plain Python (one device-to-host copy per step, for the sampled tokens).
+Both read the persistent block table (block_tables.py); plans carry only new blocks.
+
+A step is ``launch``ed, then ``finish``ed (``execute`` does both): launch queues the whole
+step on the device, sampling and the copy of its tokens to pinned host memory included, and
+returns; finish waits for that copy and shapes the StepResult. The executor launches step N+1
+before it finishes N: N+1's placeholder tokens (what N samples) are taken on the device from
+N's sampled tensor (kernels/placeholders.py), every staging copy is pinned and non-blocking,
+so the host's per-step work overlaps the device's and the device never waits for it. A step
+whose sequences need N's tokens on the host (penalties, grammars: their output so far) is
+launched after N is finished, its placeholders filled on the host (executor.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tinyserve.engine.block_tables import BlockTables
+from tinyserve.engine.graphs import capture
 from tinyserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from tinyserve.engine.logits_processing import LogitsProcessors
 from tinyserve.engine.model import DecoderModel, ForwardBatch
 from tinyserve.engine.model_config import ModelConfig
+from tinyserve.engine.packing import pack_arrays
+from tinyserve.engine.staging import DecodeStatics, Readback, stage
 from tinyserve.kernels import sample, update_block_table
+from tinyserve.kernels.placeholders import fill_placeholders
 from tinyserve.kernels.utils import Recording, next_pow2, recording
-from tinyserve.messages import SamplingParams, ScheduledSeq, SeqOutput, StepPlan, StepResult
+from tinyserve.messages import (
+    PLACEHOLDER,
+    PromptLogprobs,
+    SamplingParams,
+    ScheduledSeq,
+    SeqOutput,
+    StepPlan,
+    StepResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,60 +67,21 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
 
 
-class _Statics:
-    """Static decode inputs: one host staging buffer and its device twin, as typed views.
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the device: what ``finish`` needs to shape its result."""
 
-    Layout (bytes): int64 [6, cap] (ids, positions, slots, seq lens, table rows, seeds) |
-    int32 [cap] (top_k) | fp32 [2, cap] (temperature, top_p) | int64 [max_updates, 3]
-    (block-table updates). A step copies the prefix up to its last update: one copy.
-    """
+    step_id: int
+    t0: float
+    sampled: list[ScheduledSeq] = field(default_factory=list)  # the rows that draw a token
+    masks: np.ndarray | None = None  # their grammar masks (host)
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rows whose grammar failed
+    readback: Readback | None = None  # tokens, logprobs, top ids, top logprobs
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
-    def __init__(self, capacity: int, max_updates: int, device: torch.device) -> None:
-        cap = -(-capacity // 8) * 8  # keeps every section 8-byte aligned
-        self.cap, self.max_updates = cap, max_updates
-        self.upd_offset = 60 * cap
-        nbytes = self.upd_offset + 24 * max_updates
-        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        h = self.host.numpy()
-        self.h_i64 = h[: 48 * cap].view(np.int64).reshape(6, cap)
-        self.h_topk = h[48 * cap: 52 * cap].view(np.int32)
-        self.h_f32 = h[52 * cap: 60 * cap].view(np.float32).reshape(2, cap)
-        self.h_upd = h[self.upd_offset:].view(np.int64).reshape(max_updates, 3)
-        d = self.dev
-        i64 = d[: 48 * cap].view(torch.int64).view(6, cap)
-        self.ids, self.pos, self.slots, self.lens, self.rows, self.seeds = i64.unbind(0)
-        self.top_k = d[48 * cap: 52 * cap].view(torch.int32)
-        self.temperature, self.top_p = d[52 * cap: 60 * cap].view(torch.float32).view(2, cap).unbind(0)
-        self.upd = d[self.upd_offset:].view(torch.int64).view(max_updates, 3)
-
-        # On a GPU the copy is asynchronous: the host buffer is not written again until the
-        # last copy out of it has run (steps usually sync on their sampled tokens anyway).
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        self._pending = False
-
-    def pad_rows(self, start: int, end: int, pad_row: int) -> None:
-        """Rows [start, end) as padding: token 0 at position 0, no KV write (slot -1), one key
-        in the block table's all-zero padding row. They compute garbage nobody reads."""
-        self.h_i64[0:2, start:end] = 0
-        self.h_i64[2, start:end] = -1
-        self.h_i64[3, start:end] = 1
-        self.h_i64[4, start:end] = pad_row
-
-    def writable(self) -> None:
-        """Wait until the host buffer may be written (call before staging a step)."""
-        if self._pending:
-            self._copied.synchronize()
-            self._pending = False
-
-    def push(self, num_updates: int, statics: bool = True) -> None:
-        start = 0 if statics else self.upd_offset
-        end = self.upd_offset + 24 * num_updates
-        if end > start:
-            self.dev[start:end].copy_(self.host[start:end], non_blocking=True)
-            if self._copied is not None:
-                self._copied.record()
-                self._pending = True
+    def ready(self) -> bool:
+        """Its tokens are on the host (``finish`` will not wait)."""
+        return self.readback is None or self.readback.ready
 
 
 class ModelRunner:
@@ -120,22 +102,39 @@ class ModelRunner:
                                      device=self.device)
         self.max_num_seqs = max_num_seqs
         self.buckets = () if enforce_eager else decode_buckets(max_num_seqs)
-        self.statics = _Statics(max(self.buckets, default=1), max(256, 2 * width), self.device)
+        # (max_num_seqs rows also with enforce_eager: eager steps stage their sampling there)
+        self.statics = DecodeStatics(max(max_num_seqs, *self.buckets, 1), max(256, 2 * width),
+                                     self.device)
         self._pools: dict = {}  # scratch buffers shared by every bucket's recording
         # (bucket, split class) -> (recording, its logits buffer, its CUDA graph or None)
         self._recorded: dict[tuple[int, int], tuple[Recording, torch.Tensor, object]] = {}
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
         # penalties, grammar masks, prompt logprobs (its ``grammars`` set by the DeviceEngine)
         self.logits = LogitsProcessors(cfg.vocab_size, cfg.eos_token_ids, self.device)
+        # The last launched step's sampled tokens (device) and each sampling sequence's row in
+        # them: where the next step's placeholders come from.
+        self._prev: tuple[dict[int, int], torch.Tensor | None] = ({}, None)
+        self._prev_tokens: torch.Tensor | None = None  # the step before the one launching
+        self._graph_pool = None  # one memory pool for every captured bucket
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queue the step on the device (forward, sampling, the tokens' copy to the host) and
+        return without waiting for it. A PLACEHOLDER input token is taken on the device from
+        the last launched step's sampled tokens; a sequence that step did not sample is left
+        out (the batcher has ended it)."""
         t0 = time.perf_counter()
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
         # Freed rows go back first; every check that can refuse the step runs before the
         # table changes (the host mirror and the device table must not part ways over it).
         self.tables.release(plan.freed)
         self.logits.forget(plan.freed)
+        seqs, holes = self._placeholders(seqs)
+        # (this step's once it has sampled; a step that raises leaves none behind)
+        self._prev_tokens, self._prev = self._prev[1], ({}, None)
         max_pos = self.model.rope.max_positions
         if seqs and max(s.start_pos + len(s.token_ids) for s in seqs) > max_pos:
             raise ValueError(f"a position is beyond the rotary table ({max_pos})")
@@ -146,20 +145,49 @@ class ModelRunner:
         bucketed = bool(seqs) and len(seqs[-1].token_ids) == 1 \
             and len(seqs) <= (self.buckets or (0,))[-1] and all(s.sample for s in seqs)
         if bucketed:
-            logits, sampled = self._decode_bucket(seqs, rows, updates)
+            logits, sampled = self._decode_bucket(seqs, rows, updates, holes)
         else:
             self.push_table_updates(updates, statics=False)
             if not seqs:
-                return StepResult(step_id=plan.step_id, outputs=())
-            batch, sampled = self.pack(seqs, rows)
+                return Launched(plan.step_id, t0)
+            batch, sampled = self.pack(seqs, rows, holes)
             logits = self.model.forward(batch, self.kv_cache)
         prompt_lps = ()
         if not bucketed and any(s.prompt_targets for s in seqs):
             prompt_lps = self.logits.prompt_logprobs(logits[len(sampled):], seqs)
             logits = logits[:len(sampled)]
-        outputs = self._sample(logits, sampled, staged=bucketed)
-        return StepResult(step_id=plan.step_id, outputs=outputs,
-                          seconds=time.perf_counter() - t0, prompt_logprobs=prompt_lps)
+        launched = self._sample(logits, sampled, staged=bucketed)
+        launched.step_id, launched.t0, launched.prompt_logprobs = plan.step_id, t0, prompt_lps
+        return launched
+
+    def finish(self, launched: Launched) -> StepResult:
+        """Wait for the step's tokens (its one host sync) and shape its result."""
+        outputs = self._outputs(launched) if launched.sampled else ()
+        return StepResult(step_id=launched.step_id, outputs=outputs,
+                          seconds=time.perf_counter() - launched.t0,
+                          prompt_logprobs=launched.prompt_logprobs)
+
+    def _placeholders(self, seqs: list[ScheduledSeq]
+                      ) -> tuple[list[ScheduledSeq], dict[int, int]]:
+        """(the sequences that can run, {index in them: row in the last step's sampled
+        tokens} for those whose last input token is a PLACEHOLDER)."""
+        rows_of, _ = self._prev
+        holes: dict[int, int] = {}
+        kept = []
+        for s in seqs:
+            if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+                src = rows_of.get(s.seq_id)
+                if src is None:
+                    continue
+                holes[len(kept)] = src
+            kept.append(s)
+        return kept, holes
+
+    def _fill(self, ids: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """ids[dst] = the last step's sampled token src, for each (dst, src): on the device."""
+        if pairs:
+            (dev,) = stage([np.asarray(pairs, dtype=np.int64).T.copy()], self.device)
+            fill_placeholders(ids, dev, self._prev_tokens)
 
     def push_table_updates(self, updates: list, statics: bool) -> None:
         """Block-table updates (row, index, block) to the device table; ``statics``: the
@@ -184,14 +212,14 @@ class ModelRunner:
                 return b
         raise ValueError(f"{n} decodes exceed the largest bucket")
 
-    def _decode_bucket(self, seqs: list[ScheduledSeq], rows: list[int],
-                       updates: list) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def _decode_bucket(self, seqs: list[ScheduledSeq], rows: list[int], updates: list,
+                       holes: dict[int, int]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         n, B = len(seqs), self._bucket(len(seqs))
         st, bs = self.statics, self.kv_spec.block_size
         i64 = st.h_i64
         pos = np.fromiter((s.start_pos for s in seqs), np.int64, n)
         row = np.asarray(rows, dtype=np.int64)
-        i64[0, :n] = [s.token_ids[0] for s in seqs]
+        i64[0, :n] = [max(s.token_ids[0], 0) for s in seqs]  # (placeholders: filled below)
         i64[1, :n] = pos
         i64[2, :n] = self.tables.host[row, pos // bs] * bs + pos % bs
         i64[3, :n] = pos + 1
@@ -199,10 +227,12 @@ class ModelRunner:
         st.pad_rows(n, B, self.tables.pad_row)
         self._stage_sampling(seqs)
         self.push_table_updates(updates, statics=True)
+        self._fill(st.ids, list(holes.items()))
         key = (B, self._split_class(int(pos.max()) + 1))
         recorded = self._recorded.get(key)
         if recorded is None:  # first use: recording it ran this very step
             logits = self.record_bucket(*key)
+            self.capture_graphs()
         else:
             rec, logits, graph = recorded
             if graph is not None:
@@ -264,79 +294,52 @@ class ModelRunner:
         with recording(rec):
             logits = self.model.forward(self._bucket_batch(B, max_len), self.kv_cache)
         graph = None
-        if self.use_graphs:
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                rec.replay()
         self._recorded[B, max_len] = (rec, logits, graph)
         return logits
+
+    def capture_graphs(self) -> dict:
+        """Capture every recorded bucket not captured yet as a CUDA graph (nothing off a GPU;
+        see graphs.capture). Call it on the thread that runs the steps."""
+        if not self.use_graphs:
+            return {"graphs": 0, "seconds": 0.0, "memory_mib": 0.0}
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return capture(self._recorded, self.device, self._graph_pool)
 
     @property
     def scratch_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pool in self._pools.values() for t in pool)
 
     # -- eager ------------------------------------------------------------------------------
-    def pack(self, seqs: list[ScheduledSeq], rows: list[int]
+    def pack(self, seqs: list[ScheduledSeq], rows: list[int], holes: dict[int, int] | None = None
              ) -> tuple[ForwardBatch, list[ScheduledSeq]]:
-        bs = self.kv_spec.block_size
-        table = self.tables.host
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        prompt_rows: list[int] = []
-        sampled: list[ScheduledSeq] = []
-        dec_rows, dec_lens, pre_rows, pre_lens, q_start = [], [], [], [], [0]
-        for s, row in zip(seqs, rows, strict=True):
-            n = len(s.token_ids)
-            end = s.start_pos + n
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, end))
-            blocks = table[row]
-            slots.extend(int(blocks[p // bs]) * bs + p % bs for p in range(s.start_pos, end))
-            if n == 1:
-                dec_rows.append(row)
-                dec_lens.append(end)
-            else:
-                pre_rows.append(row)
-                pre_lens.append(end)
-                q_start.append(q_start[-1] + n)
-            if s.sample:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(s)
-            if s.prompt_targets:  # rows after the sampled ones (forward keeps this order)
-                first = len(input_ids) - n
-                prompt_rows.extend(range(first, first + len(s.prompt_targets)))
-        max_pos = self.model.rope.max_positions
-        if positions and max(positions) >= max_pos:
-            raise ValueError(f"position {max(positions)} is beyond the rotary table ({max_pos})")
-
-        dev = self.device
-
-        def ints(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
+        """An eager step's batch, its arrays staged in one pinned copy; ``holes``: the
+        placeholders to fill on the device (see ``_placeholders``)."""
+        arrays, sampled, fills, meta = pack_arrays(seqs, rows, self.tables.host,
+                                                   self.kv_spec.block_size, holes or {})
+        if meta["max_pos"] >= self.model.rope.max_positions:
+            raise ValueError(f"position {meta['max_pos']} is beyond the rotary table "
+                             f"({self.model.rope.max_positions})")
+        ids, pos, slots, logits_idx, dec_rows, dec_lens, pre_rows, pre_lens, q_start = \
+            stage(arrays, self.device)
+        self._fill(ids, fills)
         batch = ForwardBatch(
-            input_ids=ints(input_ids), positions=ints(positions), slot_mapping=ints(slots),
-            num_decodes=len(dec_lens), block_tables=self.table_dev,
-            decode_rows=ints(dec_rows, torch.int32), decode_seq_lens=ints(dec_lens, torch.int32),
-            decode_max_seq_len=max(dec_lens, default=0),
-            prefill_rows=ints(pre_rows, torch.int32), prefill_seq_lens=ints(pre_lens, torch.int32),
-            prefill_q_start=ints(q_start, torch.int32),
-            prefill_max_q_len=max((b - a for a, b in zip(q_start, q_start[1:])), default=0),
-            logits_indices=ints(logits_rows + prompt_rows))
+            input_ids=ids, positions=pos, slot_mapping=slots, num_decodes=meta["num_decodes"],
+            block_tables=self.table_dev, decode_rows=dec_rows, decode_seq_lens=dec_lens,
+            decode_max_seq_len=meta["decode_max_seq_len"], prefill_rows=pre_rows,
+            prefill_seq_lens=pre_lens, prefill_q_start=q_start,
+            prefill_max_q_len=meta["prefill_max_q_len"], logits_indices=logits_idx)
         return batch, sampled
 
     # -- sampling ---------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq],
-                staged: bool) -> tuple[SeqOutput, ...]:
-        """``staged``: the sampling parameters already sit in the statics (decode buckets)."""
+    def _sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq], staged: bool) -> Launched:
+        """Queue the draw and the copy of its results to the host. ``staged``: the sampling
+        parameters already sit in the statics (decode buckets)."""
         if not seqs:
-            return ()
+            return Launched(0, 0.0)
         # Host work first: on a GPU the forward pass is still running (the copies below wait
         # for it), so the grammar masks cost no step time unless they take longer than it.
-        masks = self.logits.grammar_masks(seqs)
+        masks, failed = self.logits.grammar_masks(seqs)
         n, st = len(seqs), self.statics
         params = [s.params for s in seqs]
         if n <= st.cap and not staged:
@@ -344,17 +347,24 @@ class ModelRunner:
             st.push(0)
         temperature, top_k, top_p, seeds = self.sampling_tensors(n, seqs)
         num_top = max((p.logprobs or 0) for p in params)
+        allowed = None if masks is None else stage([masks], self.device)[0]
         tokens, logprobs, top_ids, top_lps = sample(
             logits, temperature, top_k, top_p, seeds, num_top,
             all_greedy=all(p.greedy for p in params),
             any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
-            processed=self.logits.processed(logits, seqs),
-            allowed=None if masks is None else torch.from_numpy(masks).to(self.device))
+            processed=self.logits.processed(logits, seqs), allowed=allowed)
+        self._prev = ({s.seq_id: i for i, s in enumerate(seqs)}, tokens)
+        return Launched(0, 0.0, seqs, masks, failed,
+                        Readback([tokens, logprobs, top_ids, top_lps]))
+
+    def _outputs(self, launched: Launched) -> tuple[SeqOutput, ...]:
+        seqs, masks = launched.sampled, launched.masks
+        tokens, logprobs, top_ids, top_lps = launched.readback.wait()
         tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
         # A row whose constraints leave nothing drew a banned token: it ends instead, with
         # EOS where the request allows it, else with an error (never the banned token).
-        ends = self.logits.dead_ends(seqs, masks)
+        ends = self.logits.dead_ends(seqs, masks, launched.failed)
         for i, end in ends.items():
             tokens_l[i] = end if isinstance(end, int) else -1
         if masks is not None:
@@ -362,7 +372,8 @@ class ModelRunner:
         tops = None if top_ids is None else list(zip(top_ids.tolist(), top_lps.tolist(),
                                                      strict=True))
         out = []
-        for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
+        for i, s in enumerate(seqs):
+            p = s.params
             end = ends.get(i)
             if end is not None and not isinstance(end, int):
                 out.append(SeqOutput(s.seq_id, -1, 0.0, error=end[1], error_reason=end[0]))

@@ -64,6 +64,7 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
     for B in runner.buckets:
         for max_len in runner.split_classes():
             runner.record_bucket(B, max_len)
+    graphs = runner.capture_graphs()  # all at once: one sync, one cleanup, one pool
     sizes = runner.buckets or tuple(sorted({min(n, runner.max_num_seqs) for n in (1, 2, 16)}))
     launches = 0
     for B in sizes:
@@ -86,13 +87,16 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
         torch.cuda.synchronize(runner.device)
     info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),
             "recordings": len(runner.recorded), "cuda_graphs": runner.use_graphs,
+            "graphs_captured": graphs["graphs"], "graph_seconds": graphs["seconds"],
+            "graph_memory_mib": graphs["memory_mib"],
             "sampling_variants": launches, "eager_shapes": len(shapes),
             "scratch_mib": round(runner.scratch_bytes / 2**20, 1),
             "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
+    captured = (f" and captured as {graphs['graphs']} CUDA graphs in {graphs['seconds']:.2f} s"
+                f" ({graphs['memory_mib']:.1f} MiB)") if runner.use_graphs else ""
     log.info("warm-up: %d decode buckets %s x %d split classes recorded%s, %d sampling "
              "variants, %d eager shapes, %.1f MiB scratch, %.2f s", len(runner.buckets),
-             list(runner.buckets), len(runner.split_classes()),
-             " and captured as CUDA graphs" if runner.use_graphs else "", launches,
+             list(runner.buckets), len(runner.split_classes()), captured, launches,
              len(shapes), info["scratch_mib"], info["seconds"])
     return info
 
