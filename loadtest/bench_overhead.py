@@ -8,7 +8,9 @@ N streaming HTTP clients in another process (so their parsing does not share our
 all started together, each asking for ``--tokens`` tokens (ignore_eos). The ideal wall time
 is one step per token: every stream's tokens come out of the same steps. Efficiency = ideal /
 measured wall time (first request sent to the last stream's [DONE]); the per-step overhead is
-(measured - ideal) / tokens.
+(measured - ideal) / tokens. The server's CPU time (this process: event loop and step thread)
+and the clients' (their process) are reported per streamed token; a client CPU share near 1.0
+means the one client process, not the server, set the wall time.
 """
 
 from __future__ import annotations
@@ -39,41 +41,53 @@ def _clients(url: str, streams: int, tokens: int, out: mp.Queue) -> None:
                     n += 1
         return n
 
-    async def main() -> tuple[float, int]:
+    async def main() -> tuple[float, int, float]:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn,
                                          timeout=aiohttp.ClientTimeout(600)) as s:
             await one(s, 0)  # warm the connection path
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             counts = await asyncio.gather(*(one(s, i) for i in range(streams)))
-            return time.perf_counter() - t0, sum(counts)
+            return time.perf_counter() - t0, sum(counts), time.process_time() - c0
 
     out.put(asyncio.run(main()))
 
 
-def run(streams: int, tokens: int = 200, step_ms: float = 10.0, overlap: bool = True) -> dict:
+def run(streams: int, tokens: int = 200, step_ms: float = 10.0, overlap: bool = True,
+        stream_interval: int = 1) -> dict:
     from tests.server.inprocess import FakeRunner, InProcessServer
 
     srv = InProcessServer(FakeRunner(step_seconds=step_ms / 1000), max_model_len=tokens + 16,
                           num_kv_blocks=streams * (-(-(tokens + 16) // 16)) + 16,
                           max_num_seqs=max(streams, 1), max_num_batched_tokens=max(2048, 4 * streams),
-                          max_waiting=streams + 8, overlap=overlap)
+                          max_waiting=streams + 8, overlap=overlap, freeze_heap=True,
+                          stream_interval=stream_interval,
+                          use_uvloop=True)  # as python -m tinyserve runs
     try:
         steps0 = srv.runner.steps
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         proc = ctx.Process(target=_clients, args=(srv.url, streams, tokens, out))
         proc.start()
-        wall, chunks = out.get(timeout=900)
+        # the server's CPU: this process's (the event loop, the step thread, whose stand-in
+        # step sleeps); read around the clients' run (their process starts up meanwhile)
+        cpu0 = time.process_time()
+        wall, chunks, client_cpu = out.get(timeout=900)
+        server_cpu = time.process_time() - cpu0
         proc.join(30)
         steps = srv.runner.steps - steps0
     finally:
         srv.stop()
     ideal = tokens * step_ms / 1000
     return {"streams": streams, "tokens": tokens, "step_ms": step_ms, "overlap": overlap,
+            "stream_interval": stream_interval,
             "wall_s": round(wall, 3), "ideal_s": round(ideal, 3),
             "efficiency": round(ideal / wall, 3),
             "overhead_ms_per_step": round((wall - ideal) / tokens * 1000, 2),
+            # per generated token (streams x tokens; a chunk holds stream_interval of them)
+            "server_cpu_us_per_token": round(server_cpu / (streams * tokens) * 1e6, 1),
+            "client_cpu_us_per_token": round(client_cpu / (streams * tokens) * 1e6, 1),
+            "client_cpu_share": round(client_cpu / wall, 2),  # ~1.0: the clients set the pace
             "steps": steps, "sse_chunks": chunks}
 
 
@@ -83,9 +97,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--stream-interval", type=int, nargs="+", default=[1])
     args = ap.parse_args()
-    for n in args.streams:
-        print(json.dumps(run(n, args.tokens, args.step_ms, not args.no_overlap)), flush=True)
+    for interval in args.stream_interval:
+        for n in args.streams:
+            print(json.dumps(run(n, args.tokens, args.step_ms, not args.no_overlap, interval)),
+                  flush=True)
 
 
 if __name__ == "__main__":

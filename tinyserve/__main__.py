@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan each step only after the previous one returned (by default the "
                         "next step is planned while one runs, so the device never waits for "
                         "the server between steps)")
+    c.add_argument("--stream-interval", type=int, default=1,
+                   help="a request's new tokens are sent every this many tokens (the first "
+                        "and the last at once), as vLLM's --stream-interval: 1 sends each "
+                        "token as it comes; larger sends fewer, bigger chunks, for less host "
+                        "work per token at high concurrency")
     c.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to queue beyond --max-num-seqs; more get 429")
     k = p.add_argument_group("KV cache")
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host, port=args.port,
             api_key=args.api_key, max_waiting=args.max_waiting,
             batch_timeout_ms=args.batch_timeout_ms, overlap=not args.no_overlap,
+            stream_interval=args.stream_interval,
             drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level,

@@ -149,7 +149,8 @@ class Server:
             slo = SloController(_seconds(self.cfg.slo_ttft_ms), _seconds(self.cfg.slo_itl_ms),
                                 capacity)
             batcher = Batcher(core, self.executor.inbox, self.metrics, capacity,
-                              self.cfg.batch_timeout_ms, slo, spec.name, self.cfg.overlap)
+                              self.cfg.batch_timeout_ms, slo, spec.name, self.cfg.overlap,
+                              self.cfg.stream_interval)
             self.batchers[spec.name] = batcher
             self.executor.outboxes[spec.name] = batcher.inbox
             lane = Lane(spec.name, batcher.inbox, capacity, info.max_model_len, slo,

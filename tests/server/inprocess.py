@@ -18,7 +18,7 @@ import msgspec
 
 from tinyserve.config import EngineConfig, ServerConfig
 from tinyserve.engine.device_engine import EngineInfo
-from tinyserve.messages import SeqOutput, StepPlan, StepResult
+from tinyserve.messages import PLACEHOLDER, SeqOutput, StepPlan, StepResult
 from tinyserve.models import STORIES260K
 from tinyserve.served_models import ModelSpec
 from tinyserve.server import Server
@@ -39,6 +39,28 @@ class FakeRunner:
     hang: threading.Event | None = None  # while set to an unset Event, steps block on it
     steps: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # the last step's sampled tokens: where a placeholder comes from, as the ModelRunner
+    # takes them on the device (so the executor launches a step before finishing the last)
+    _last: dict[int, int] = field(default_factory=dict)
+
+    def launch(self, plan: StepPlan) -> StepResult:
+        """As ModelRunner.launch: placeholders from the last step's tokens (a sequence that
+        step did not sample is left out), then the whole step (``execute``, which tests
+        override to inject faults); ``finish`` hands the result back."""
+        last, self._last = self._last, {}
+        seqs = []
+        for s in plan.seqs:
+            if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+                if s.seq_id not in last:
+                    continue
+                s = msgspec.structs.replace(s, token_ids=s.token_ids[:-1] + (last[s.seq_id],))
+            seqs.append(s)
+        result = self.execute(msgspec.structs.replace(plan, seqs=tuple(seqs)))
+        self._last = {o.seq_id: o.token_id for o in result.outputs}
+        return result
+
+    def finish(self, result: StepResult) -> StepResult:
+        return result
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.hang is not None:
@@ -132,11 +154,13 @@ class InProcessServer:
 
     def __init__(self, runner: FakeRunner | None = None, *, max_model_len: int = 128,
                  num_kv_blocks: int = 512, models: dict[str, FakeRunner] | None = None,
-                 engine=None, freeze_heap: bool = False, **cfg) -> None:
+                 engine=None, freeze_heap: bool = False, use_uvloop: bool = False,
+                 **cfg) -> None:
         """``models``: several served models by name, each on its own fake runner (default:
         one, ``stories260k``, on ``runner``). ``engine``: a real DeviceEngine to serve instead (as
         ``stories260k``). ``freeze_heap``: freeze the process's heap once loaded, as
-        ``python -m tinyserve`` does (for latency measurements; undone by ``stop``)."""
+        ``python -m tinyserve`` does (for latency measurements; undone by ``stop``).
+        ``use_uvloop``: the event loop ``python -m tinyserve`` runs (benchmarks)."""
         self.runners = models or {"stories260k": runner or FakeRunner()}
         self.runner = next(iter(self.runners.values()))
         engine_keys = {"max_num_seqs", "max_num_batched_tokens", "block_size"}
@@ -146,7 +170,11 @@ class InProcessServer:
                    for name, r in self.runners.items()}
         if engine is not None:
             engines = {"stories260k": engine}
-        self.loop = asyncio.new_event_loop()
+        if use_uvloop:
+            import uvloop
+            self.loop = uvloop.new_event_loop()
+        else:
+            self.loop = asyncio.new_event_loop()
         self.server = Server(scfg, [ModelSpec(name, ecfg) for name in self.runners], engines,
                              freeze_heap=freeze_heap)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

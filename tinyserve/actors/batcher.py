@@ -67,9 +67,12 @@ def reply(req: Request, msg: Output | Failed) -> None:
 class Batcher:
     def __init__(self, core: EngineCore, executor_inbox, metrics: Metrics,
                  capacity: int, batch_timeout_ms: float = 0.0,
-                 slo: SloController | None = None, model: str = "", overlap: bool = True
-                 ) -> None:
+                 slo: SloController | None = None, model: str = "", overlap: bool = True,
+                 stream_interval: int = 1) -> None:
         self.model = model  # the served model whose requests and steps these are
+        # A request's Output goes out every this many new tokens (its first and last at once):
+        # fewer queue hand-offs, shapes and writes per token when many streams run.
+        self._stream_interval = stream_interval
         self.core = core
         # Fed every first token and inter-token gap; admission reads its limit and level.
         self.slo = slo or SloController(None, None, capacity)
@@ -273,9 +276,12 @@ class Batcher:
             times.append(now)
             if req.request_id in self._after:  # its prompt is in the prefix cache now
                 self._release_after(req.request_id)
-            self._send(req)
-            if req.seq.is_finished:
-                self._end(req, req.seq.finish_reason)
+            seq = req.seq
+            if (seq.is_finished or not req.sent_tokens
+                    or seq.num_output_tokens - req.sent_tokens >= self._stream_interval):
+                self._send(req)
+            if seq.is_finished:
+                self._end(req, seq.finish_reason)
         self._tick()
         self._emit_stats(tokens)
 

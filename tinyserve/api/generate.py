@@ -88,7 +88,7 @@ class Generator:
                 await self._decided(h, access if i == 0 else None)
             answering = handles[0].lane.name
             shaper = job.shaper(answering, len(handles))
-            outputs = _merged([self._outputs(h, access if i == 0 else None)
+            outputs = _merged([self._outputs(h, access if i == 0 else None, i)
                                for i, h in enumerate(handles)])
             if job.stream:
                 return await stream(request, outputs, shaper, {
@@ -126,11 +126,11 @@ class Generator:
             access.model = h.lane.name
 
     @staticmethod
-    async def _outputs(h: RequestHandle, access: AccessInfo | None
-                       ) -> AsyncIterator[list[Output]]:
-        """The request's outputs until the final one, in batches: whatever has queued up by
-        the time the reader comes back (a reader that lags behind the steps writes several
-        tokens at once, not one write per token). A Failed becomes an ApiError."""
+    async def _outputs(h: RequestHandle, access: AccessInfo | None, index: int) -> Merged:
+        """The request's outputs until the final one, tagged with its choice ``index``, in
+        batches: whatever has queued up by the time the reader comes back (a reader that lags
+        behind the steps writes several tokens at once, not one write per token). A Failed
+        becomes an ApiError."""
         while True:
             msgs = [await h.replies.get()]
             while not h.replies.empty() and len(msgs) < MAX_BATCH:
@@ -143,7 +143,7 @@ class Generator:
                         yield outs
                     raise ApiError.from_failed(msg)
                 h.generated = msg.completion_tokens or h.generated
-                outs.append(msg)
+                outs.append((index, msg))
                 if access is not None:
                     access.completion_tokens = h.generated
                     access.first_output = access.first_output or time.monotonic()
@@ -213,20 +213,14 @@ def check_before_compile(serving: Serving, job: Job) -> None:
             raise ApiError.from_failed(refusal)
 
 
-def _merged(iters: list[AsyncIterator[list[Output]]]) -> Merged:
-    """Several requests' outputs as they come, tagged with the request's index."""
+def _merged(iters: list[Merged]) -> Merged:
+    """Several requests' (tagged) outputs as they come."""
     if len(iters) == 1:  # (no task per read for the common case)
-        return _tagged(iters[0])
+        return iters[0]
     return _interleaved(iters)
 
 
-async def _tagged(outputs: AsyncIterator[list[Output]]) -> Merged:
-    async with contextlib.aclosing(outputs):
-        async for outs in outputs:
-            yield [(0, out) for out in outs]
-
-
-async def _interleaved(iters: list[AsyncIterator[list[Output]]]) -> Merged:
+async def _interleaved(iters: list[Merged]) -> Merged:
     pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iters)}
     try:
         while pending:
@@ -238,7 +232,7 @@ async def _interleaved(iters: list[AsyncIterator[list[Output]]]) -> Merged:
                     outs = fut.result()
                 except StopAsyncIteration:
                     continue
-                got.extend((i, out) for out in outs)
+                got.extend(outs)
                 pending[asyncio.ensure_future(anext(iters[i]))] = i
             if got:
                 yield got

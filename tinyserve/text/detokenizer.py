@@ -89,6 +89,7 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids)
         self._read = len(self._ids)
         self._complete = self._read  # the ids up to here decode to whole characters
+        self._prefix_text: str | None = None  # decode(ids[prefix:read]) once known
         self._skip = skip_special_tokens
         self._prefix = self._char_start(max(len(self._ids) - self.WINDOW, 0))
         # An empty stop string marks no place to stop (the API rejects it); it is ignored.
@@ -132,7 +133,9 @@ class IncrementalDetokenizer:
         if self._skip and token_id in self._tok.special_ids:
             return  # decodes to nothing: kept out of the window, so a run of them costs O(1)
         self._ids.append(token_id)
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        if self._prefix_text is None:
+            self._prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        prefix_text = self._prefix_text
         new_text = self._tok.decode(self._ids[self._prefix:], self._skip)
         if new_text.endswith("\ufffd"):
             if len(self._ids) - self._complete < self.MAX_CHAR_TOKENS:
@@ -143,9 +146,16 @@ class IncrementalDetokenizer:
             self._complete = len(self._ids)
         if len(new_text) <= len(prefix_text):
             return
-        self._prefix, self._read = self._read, len(self._ids)
+        piece = new_text[len(prefix_text):]
+        # The window keeps its start while it is short: the next call's prefix text is this
+        # decode (one decode a token, not two); past WINDOW tokens it starts at the new text.
+        if len(self._ids) - self._prefix >= self.WINDOW:
+            self._prefix, self._prefix_text = self._read, None
+        else:
+            self._prefix_text = new_text
+        self._read = len(self._ids)
         self._complete = self._read  # (text ending in U+FFFD here is given up as invalid)
-        self._append(new_text[len(prefix_text):])
+        self._append(piece)
 
     def _append(self, piece: str) -> None:
         start = self._len
@@ -194,8 +204,8 @@ class IncrementalDetokenizer:
         O(chars released + pieces they span + number of stop strings).
         """
         end = self._len
-        if not final and not self.stopped:
-            end -= max((m.state for m in self._matchers), default=0)
+        if self._matchers and not final and not self.stopped:
+            end -= max(m.state for m in self._matchers)
         out: list[str] = []
         need = end - self._streamed
         while need > 0:
