@@ -29,13 +29,20 @@ arguments but the row's data. Dtype handling (fp8 -> fp16, the accumulator's dty
 left alone. Measured (2 cores): a dot alone costs 2-3x more (8-360 us instead of 3-110 us at
 our tile shapes), but decode/prefill steps and the kernel tests are as fast as before: the
 interpreter's per-op overhead dominates.
+
+Two more fixes, each probed first and left out where this Triton is already right: a scalar
+argument as a loop bound (Triton 3.6 with numpy >= 2.4 refused it: ``_install_scalar_index``),
+and fp32 -> bf16 casts that round to nearest even, as a GPU's do, instead of truncating
+(``_install_bf16_rounding``). tests/kernels/test_interpreter_compat.py checks both.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import operator
 import types
+import warnings
 
 import numpy as np
 
@@ -63,7 +70,72 @@ def install() -> bool:
     original_patch_lang(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
     interp._patch_lang = lambda fn: no_op_scope()
     _install_row_stable_dot(interp)
+    _install_scalar_index(interp, tl)
+    _install_bf16_rounding(interp, tl)
     _installed = True
+    return True
+
+
+def _install_scalar_index(interp, tl) -> bool:
+    """Make a scalar argument usable as an index (``range(0, V, BLOCK)``, V a runtime int).
+
+    NOTE: the interpreter holds a scalar as a one-element array, shape (1,). Triton 3.6 binds
+    ``tensor.__index__`` to ``int(data)``, which numpy 2.4 refuses ("only 0-dimensional arrays
+    can be converted to Python scalars"; numpy 1.25-2.3 only warn): measured, 303 of 497 kernel
+    tests failed under Triton 3.6 + numpy 2.4.6. Triton 3.9 squeezes first. We probe the bound
+    ``__index__`` once and, only where it refuses or warns, bind one that reshapes to 0-d: on
+    Triton 3.9 nothing changes. It lasts because ``install`` makes the patching one-time (each
+    launch would bind Triton's again).
+    """
+    try:
+        probe = tl.core.tensor(interp.TensorHandle(np.array([3], dtype=np.int32), tl.int32), tl.int32)
+    except (AttributeError, TypeError) as e:  # pragma: no cover - Triton version
+        log.warning("Triton interpreter scalar index check unavailable: %s", e)
+        return False
+    try:
+        with warnings.catch_warnings():  # numpy 1.25-2.3: a DeprecationWarning on each call
+            warnings.simplefilter("error", DeprecationWarning)
+            if operator.index(probe) == 3:
+                return True
+    except (TypeError, DeprecationWarning):
+        pass
+    tl.core.tensor.__index__ = lambda self: int(self.handle.data.reshape(()))
+    return operator.index(probe) == 3
+
+
+def _install_bf16_rounding(interp, tl) -> bool:
+    """fp32 -> bf16 casts (``.to(tl.bfloat16)``, a store into bf16) round to nearest even, as a
+    GPU's ``cvt.rn.bf16.f32`` does, instead of truncating.
+
+    NOTE: Triton 3.6 and 3.9's interpreter drop the low 16 bits (measured: 44% of the bf16
+    products in the embedding-scale test came out one step toward zero), so a bf16 result was
+    up to a whole step off the GPU's. The probe keeps Triton's cast where it already rounds.
+    Only this cast changes; bf16 arithmetic, bf16 ``tl.dot`` and int -> bf16 casts stay wrong in
+    the interpreter (triton-lang/triton#11584): use fp32 there.
+    """
+    try:
+        builder_cls = interp.InterpreterBuilder
+        original = builder_cls.create_fp_trunc
+        handle_cls = interp.TensorHandle
+        probe = handle_cls(np.array([1.0 + 2.0**-8 + 2.0**-10], dtype=np.float32), tl.float32)
+        rounds = original(interp.interpreter_builder, probe, tl.bfloat16).data.view(np.uint16)[0]
+    except (AttributeError, TypeError, ValueError) as e:  # pragma: no cover - Triton version
+        log.warning("Triton interpreter bf16 rounding unavailable: %s", e)
+        return False
+    if rounds == 0x3F81:  # 1 + 2^-7: this Triton (or an earlier install) already rounds
+        return True
+
+    def create_fp_trunc(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original(self, src, dst_type)
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32)
+        # + 0x7FFF and the kept part's lowest bit: ties go to even; a carry moves the exponent
+        # (the largest finite values round to inf, as on the GPU); NaN stays a quiet NaN
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        out = np.where(np.isnan(src.data), ((bits >> 16) | 0x0040).astype(np.uint16), out)
+        return handle_cls(out, dst_type.scalar)
+
+    builder_cls.create_fp_trunc = create_fp_trunc
     return True
 
 

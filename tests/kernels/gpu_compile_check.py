@@ -7,8 +7,14 @@ With ``--resources`` it also prints registers / stack (spills) per kernel via cu
 
 Run as a script in a process where TRITON_INTERPRET is unset (the test does that); prints one
 line per compiled variant and exits non-zero on the first failure.
+
+It drives Triton-private internals (``REQUIRES``), checked before anything runs: a Triton
+whose internals moved exits with ``UNSUPPORTED`` and one line naming its version and what is
+missing (the test skips on it). Checked on Triton 3.6.0 and 3.9.0: the same internals, both
+compile every variant.
 """
 
+import inspect
 import os
 import sys
 
@@ -16,6 +22,43 @@ assert os.environ.get("TRITON_INTERPRET", "0") != "1", "must run without the int
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+
+UNSUPPORTED = 3  # exit status: this Triton lacks an internal the check drives
+REQUIRES = ("triton.backends.compiler.GPUTarget, triton.compiler.ASTSource(fn, signature, "
+            "constexprs, attrs) and make_backend, triton.runtime.jit.JITFunction.run(*args, "
+            "grid, warmup, **kwargs) and ._pack_args(backend, kwargs, bound_args, "
+            "specialization, options), create_function_from_signature(sig, kparams, backend)")
+
+
+def _missing_internals() -> str | None:
+    """What this Triton lacks of ``REQUIRES`` (None: everything is there, in that shape)."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource, make_backend  # noqa: F401
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+    except ImportError as e:
+        return str(e)
+    shapes = [("create_function_from_signature", create_function_from_signature,
+               ["sig", "kparams", "backend"]),
+              ("JITFunction._pack_args", getattr(JITFunction, "_pack_args", None),
+               ["self", "backend", "kwargs", "bound_args", "specialization", "options"]),
+              ("ASTSource", ASTSource.__init__, ["self", "fn", "signature", "constexprs", "attrs"])]
+    for name, fn, want in shapes:
+        if fn is None:
+            return name
+        have = list(inspect.signature(fn).parameters)
+        if have != want:
+            return f"{name}({', '.join(want[want[0] == 'self':])}): it takes ({', '.join(have)})"
+    run = inspect.signature(JITFunction.run).parameters
+    if not {"grid", "warmup"} <= run.keys():
+        return f"JITFunction.run(*args, grid, warmup, **kwargs): it takes ({', '.join(run)})"
+    return None
+
+
+if (_missing := _missing_internals()) is not None:
+    print(f"UNSUPPORTED: Triton {triton.__version__} lacks {_missing}; this check needs {REQUIRES}")
+    sys.exit(UNSUPPORTED)
+
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
@@ -375,7 +418,7 @@ def main() -> int:
             names = [p.name for p in fn.params]
             flags = {names[k[0]]: v for k, v in consts.items() if names[k[0]][0].isupper()}
             print(f"ok   {fn.__name__:34s} {str(dtype):15s} {extra}  {flags}")
-    print(f"{len(seen)} kernel variants compiled for sm_90")
+    print(f"{len(seen)} kernel variants compiled for sm_90 (Triton {triton.__version__})")
     return 0
 
 

@@ -8,6 +8,7 @@ uint32 values instead of shifts), so a layout mistake in either shows up as a mi
 import pytest
 import torch
 
+from tests.kernels.dtypes import bf16
 from tinyserve.kernels.group_matmul import int4_matmul, int8_group_matmul
 from tinyserve.kernels.int4_pack import dequantize_int4, quantize_int4
 from tinyserve.kernels.utils import cdiv
@@ -19,9 +20,9 @@ SHAPES = [(1, 96, 128, 32), (3, 200, 256, 64), (17, 1000, 384, 128), (64, 96, 10
 # K not a multiple of G, the last group partial: stories260k's K = 64 and 172 with G = 128, four
 # groups of 64 with 8 real columns in the last, and a 24 = 16 + 8 with the smallest group.
 AWKWARD_K = [(3, 96, 64, 128), (17, 200, 172, 128), (5, 150, 200, 64), (1, 40, 24, 16)]
-DTYPES = [(torch.float32, 1e-4, 1e-5), (torch.float16, 1e-2, 1e-2)]
-if torch.cuda.is_available():  # the interpreter's bf16 tl.dot operates on raw bits
-    DTYPES.append((torch.bfloat16, 5e-2, 2e-2))
+# (dtype, atol, rtol): x and the dequantized tile in the dtype, fp32 sums. bf16: a bf16 tl.dot
+# and int -> bf16 casts, GPU only (tests/kernels/dtypes.py).
+DTYPES = [(torch.float32, 1e-4, 1e-5), (torch.float16, 1e-2, 1e-2), bf16(5e-2, 2e-2, math=True)]
 
 
 def pack_ref(q: torch.Tensor) -> torch.Tensor:
