@@ -50,7 +50,8 @@ def checkpoint(request, tmp_path_factory):
         raw["rope_theta"] = rope["rope_theta"]
         raw["rope_scaling"] = None
         (path / "config.json").write_text(json.dumps(raw))
-    engine = DeviceEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK))
+    engine = DeviceEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK,
+                                       dtype="float32"))  # (auto: bf16 on a GPU)
     return hf, engine
 
 
