@@ -245,3 +245,21 @@ def test_iteration_tokens_total_counts_as_vllm_does(tokenizer):
     it = "tinyserve:iteration_tokens_total"
     assert value(samples, it + "_sum", model="m") == requests * (len(prompt) + max_tokens)
     assert value(samples, it + "_count", model="m") == requests * max_tokens
+
+
+def test_observe_many_counts_as_observe_does():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from tinyserve.actors.metrics import observe_many
+    values = (0.0, 1e-9, 0.001, 0.0049, 0.005, 0.0051, 0.02, 0.5, 3.0, 1e9, 7.5, 0.005)
+    r1, r2 = CollectorRegistry(), CollectorRegistry()
+    buckets = (0.001, 0.005, 0.01, 0.1, 1.0, 5.0)
+    a = Histogram("h", "x", registry=r1, buckets=buckets)
+    b = Histogram("h", "x", registry=r2, buckets=buckets)
+    for v in values:
+        a.observe(v)
+    observe_many(b, values)
+    samples = [(s.name, s.labels, s.value) for m in r1.collect() for s in m.samples
+               if not s.name.endswith("_created")]
+    assert samples == [(s.name, s.labels, s.value) for m in r2.collect() for s in m.samples
+                       if not s.name.endswith("_created")]

@@ -14,6 +14,7 @@ turned into increments here, so a dropped StepStats loses nothing.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -271,15 +272,32 @@ class Metrics:
                 self.tpot.labels(m, m).observe(decode / (ev.generation_tokens - 1))
             if queue is not None:
                 self.prefill.labels(m, m).observe(max(0.0, ttft - queue))
-        itl = self.itl.labels(m, m)
-        alias = self.tpot_alias.labels(m, m) if self.aliases else None
-        for gap in ev.itl_seconds:
-            itl.observe(gap)
-            if alias is not None:
-                alias.observe(gap)
+        if ev.itl_seconds:
+            observe_many(self.itl.labels(m, m), ev.itl_seconds)
+            if self.aliases:
+                observe_many(self.tpot_alias.labels(m, m), ev.itl_seconds)
 
     def _advance(self, counter: Counter, model: str, key: str, total: int) -> None:
         last = self._totals.get((model, key), 0)
         if total > last:
             counter.labels(model, model).inc(total - last)
             self._totals[model, key] = total
+
+
+def observe_many(hist, values: tuple[float, ...]) -> None:
+    """``hist.observe(v)`` for each value, counted per bucket first: a request's inter-token
+    gaps (one per token) cost one increment per bucket they land in, not a bucket walk and
+    three locked increments per token. Through prometheus_client's Histogram internals
+    (``_upper_bounds``, ``_buckets``, ``_sum``: per-bucket counts, made cumulative on
+    collection); tests/test_vllm_metrics.py checks it against ``observe``."""
+    bounds = hist._upper_bounds
+    counts = [0] * len(bounds)
+    last = len(bounds)
+    for v in values:
+        i = bisect.bisect_left(bounds, v)
+        if i < last:  # (NaN lands in no bucket, as with observe)
+            counts[i] += 1
+    for i, c in enumerate(counts):
+        if c:
+            hist._buckets[i].inc(c)
+    hist._sum.inc(sum(values))

@@ -218,34 +218,40 @@ class Scheduler:
     def _to_compute(self, seq: Sequence) -> int:
         """Tokens a running sequence still needs computed, beyond those in flight; 0 when the
         steps in flight will already finish it by length (max_tokens, max_model_len)."""
-        drawn = seq.num_output_tokens + seq.num_pending
-        if seq.num_pending and (drawn >= seq.params.max_tokens
-                                or seq.num_tokens + seq.num_pending >= self.cfg.max_model_len):
+        total = len(seq.token_ids) + seq.num_pending
+        if seq.num_pending and (total - len(seq.prompt_token_ids) >= seq.params.max_tokens
+                                or total >= self.cfg.max_model_len):
             return 0
-        return seq.num_tokens + seq.num_pending - seq.num_computed_tokens - seq.num_inflight
+        return total - seq.num_computed_tokens - seq.num_inflight
 
     def _plan_entry(self, seq: Sequence, n: int) -> ScheduledSeq:
+        # (per sequence per step: attribute reads hoisted, positional construction)
         start = seq.num_computed_tokens + seq.num_inflight
         end = start + n
         self.served[seq.tenant] += n
-        self.num_prompt_tokens_computed += max(0, min(end, seq.num_prompt_tokens) - start)
-        known = tuple(seq.token_ids[start:end])
-        sample = end == seq.num_tokens + seq.num_pending
+        num_prompt = len(seq.prompt_token_ids)
+        if start < num_prompt:
+            self.num_prompt_tokens_computed += min(end, num_prompt) - start
+        token_ids, pending = seq.token_ids, seq.num_pending
+        known = tuple(token_ids[start:end])
+        sample = end == len(token_ids) + pending
         first = seq.blocks_sent  # the runner keeps the table: send only blocks it lacks
+        block_ids = seq.block_ids
+        p = seq.params
         entry = ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=known + (PLACEHOLDER,) * (n - len(known)),
-            start_pos=start, new_blocks=tuple(seq.block_ids[first:]), sample=sample,
-            params=seq.params, seed=mix_seed(seq.seed, seq.num_output_tokens + seq.num_pending),
-            epoch=seq.num_preemptions, first_block=first)
-        if sample and seq.params.needs_history:
+            seq.seq_id, known if len(known) == n else known + (PLACEHOLDER,) * (n - len(known)),
+            start, tuple(block_ids[first:]) if first < len(block_ids) else (), sample, p,
+            mix_seed(seq.seed, len(token_ids) - num_prompt + pending), seq.num_preemptions,
+            first)
+        if sample and p.needs_history:
             entry = self._with_history(entry, seq)
         last = seq.num_prompt_tokens - 1  # the last position whose next token is the prompt's
         if seq.params.prompt_logprobs is not None and len(seq.prompt_lps) < last and start < last:
             entry = msgspec.structs.replace(
                 entry, prompt_targets=seq.prompt_token_ids[start + 1:min(end, last) + 1])
-        seq.blocks_sent = len(seq.block_ids)
+        seq.blocks_sent = len(block_ids)
         seq.num_inflight += n
-        seq.num_pending += sample
+        seq.num_pending = pending + sample
         return entry
 
     def _with_history(self, entry: ScheduledSeq, seq: Sequence) -> ScheduledSeq:
