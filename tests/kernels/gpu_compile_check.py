@@ -157,6 +157,31 @@ def exercise(dtype):
         ones = torch.ones(B)
         K.apply_penalties(logits, toks, toks, toks, torch.zeros((B, 37)), ones, ones, ones)
         K.target_logprobs(logits, torch.zeros(B, dtype=torch.int64), 3)
+    exercise_lora(dtype)
+
+
+def exercise_lora(dtype):
+    """Multi-LoRA shrink / expand at Llama-3-8B sizes (hidden 4096; q and o 4096, k and v 1024,
+    FFN 14336), ranks 16 and 64, 8 resident slots: one shrink per projection with its modules'
+    A stacked along R (q | k | v, gate | up), each slice expanded at its offsets; a 16-row
+    decode (split-K in separate programs) and a prefill (the K chunks inside each program).
+    fp32 (debugging): the decode at rank 16."""
+    from tinyserve.kernels.lora import lora_expand, lora_shrink
+
+    D, Nq, Nkv, I, S, B, T = 4096, 4096, 1024, 14336, 8, 16, 2048
+    e = lambda *s, dt=dtype: torch.empty(*s, dtype=dt)  # noqa: E731
+    scales = torch.ones(S)
+    # (input size, output slices): qkv, o_proj, gate_up, down_proj
+    projections = ((D, (Nq, Nkv, Nkv)), (D, (D,)), (D, (I, I)), (I, (D,)))
+    cases = [(16, B, None)] if dtype == torch.float32 else \
+        [(rank, rows, grid) for rank in (16, 64) for rows, grid in ((B, None), (T, False))]
+    for rank, rows, grid in cases:
+        slots = torch.zeros(rows, dtype=torch.int32)
+        for k, slices in projections:
+            y = lora_shrink(e(rows, k), e(S, len(slices) * rank, k), slots, split_grid=grid)
+            out = e(rows, sum(slices))
+            for i, n in enumerate(slices):
+                lora_expand(y, e(S, n, rank), slots, scales, out, i * rank, sum(slices[:i]))
 
 
 def resources(cubin: bytes) -> str:
