@@ -80,6 +80,17 @@ def test_a_placeholder_whose_source_did_not_sample_is_left_out(llms):
     runner.execute(StepPlan(3, (), freed=(1,)))
 
 
+class OnTheDevice:
+    """A launched step as a GPU's looks: not done when launch returns (asked again, it is)."""
+
+    def __init__(self, launched):
+        self.launched, self.asked = launched, 0
+
+    def ready(self) -> bool:
+        self.asked += 1
+        return self.asked > 1
+
+
 def test_the_executor_launches_the_next_step_before_finishing_one(llms):
     runner = llms[False].engine.runner
     order = []
@@ -87,11 +98,11 @@ def test_the_executor_launches_the_next_step_before_finishing_one(llms):
     class Watched:
         def launch(self, plan):
             order.append(("launch", plan.step_id))
-            return runner.launch(plan)
+            return OnTheDevice(runner.launch(plan))
 
-        def finish(self, launched):
-            order.append(("finish", launched.step_id))
-            return runner.finish(launched)
+        def finish(self, pending):
+            order.append(("finish", pending.launched.step_id))
+            return runner.finish(pending.launched)
 
     async def main():
         ex = Executor({"m": Watched()})
@@ -116,6 +127,45 @@ def test_the_executor_launches_the_next_step_before_finishing_one(llms):
     r1, r2 = asyncio.run(main())
     assert [r.step_id for r in (r1, r2)] == [1, 2] and r1.error is None and r2.error is None
     assert order[:4] == [("launch", 1), ("launch", 2), ("finish", 1), ("finish", 2)]
+
+
+def test_a_step_done_at_launch_is_finished_before_the_next_is_launched(llms):
+    """On the CPU a step is done when launch returns: its result goes out at once, not a
+    step later behind the next one."""
+    runner = llms[False].engine.runner
+    order = []
+
+    class Watched:
+        def launch(self, plan):
+            order.append(("launch", plan.step_id))
+            return runner.launch(plan)
+
+        def finish(self, launched):
+            order.append(("finish", launched.step_id))
+            return runner.finish(launched)
+
+    async def main():
+        ex = Executor({"m": Watched()})
+        out = asyncio.Queue()
+        ex.outboxes["m"] = out
+        ex.start()
+        try:
+            with ex._ready:
+                ex._jobs["m"].append(("m", StepPlan(1, (prefill(1, [1, 403], (10,)),)),
+                                      asyncio.get_running_loop()))
+                ex._jobs["m"].append(("m", StepPlan(2, (decode(1, PLACEHOLDER, 2),)),
+                                      asyncio.get_running_loop()))
+                ex._ready.notify()
+            results = [await asyncio.wait_for(out.get(), 60) for _ in range(2)]
+            ex.inbox.put_nowait(("m", StepPlan(3, (), freed=(1,))))
+            await asyncio.wait_for(out.get(), 60)
+            return results
+        finally:
+            await ex.stop()
+
+    r1, r2 = asyncio.run(main())
+    assert r1.error is None and r2.error is None and r2.outputs
+    assert order[:4] == [("launch", 1), ("finish", 1), ("launch", 2), ("finish", 2)]
     want = llms[False].generate([[1, 403]], SamplingParams(max_tokens=2, temperature=0.0))
     assert [r1.outputs[0].token_id, r2.outputs[0].token_id] == list(want[0].token_ids)
 

@@ -116,10 +116,8 @@ class Executor:
     def _wait_for_step_or_job(self, oldest: _InFlight) -> None:
         """Until the oldest step's tokens are ready or a new job is queued (polled: a
         condition cannot wait on a CUDA event)."""
-        ready = getattr(oldest.launched, "ready", True)
         with self._ready:
-            while not (ready() if callable(ready) else ready) and not self._stopping \
-                    and not self._queued():
+            while not _done(oldest) and not self._stopping and not self._queued():
                 self._ready.wait(0.0002)
 
     def _queued(self) -> bool:
@@ -164,7 +162,10 @@ class Executor:
                 self.busy_since = inflight[0].since if inflight else None
                 continue
             inflight.append(_InFlight(model, plan, launched, loop, time.monotonic()))
-            while len(inflight) > 1:  # the newest runs on while the host reads the oldest
+            # The newest runs on while the host reads the oldest; a step already done (the
+            # CPU's are done when launch returns) is finished at once: holding its result
+            # until the next one ran would cost its tokens a whole step.
+            while inflight and (len(inflight) > 1 or _done(inflight[0])):
                 self._finish(inflight.popleft(), inflight)
 
     def _finish(self, step: _InFlight, inflight: collections.deque) -> None:
@@ -323,3 +324,9 @@ def _needs_host_tokens(plan: StepPlan) -> bool:
     """A sequence whose logits processing reads its output so far (penalties, a grammar):
     the previous step's token must be known on the host first."""
     return any(s.output_ids and s.output_ids[-1] == PLACEHOLDER for s in plan.seqs)
+
+
+def _done(step: _InFlight) -> bool:
+    """Its tokens are on the host (an execute-only runner's step is done once launched)."""
+    ready = getattr(step.launched, "ready", None)
+    return ready is None or bool(ready())
