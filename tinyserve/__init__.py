@@ -7,10 +7,10 @@ tests) never imports torch or triton.
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "LoRARequest"]
 
 if TYPE_CHECKING:
-    from tinyserve.llm import LLM, RequestOutput
+    from tinyserve.llm import LLM, LoRARequest, RequestOutput
     from tinyserve.messages import SamplingParams
 
 
@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
         from tinyserve.messages import SamplingParams
 
         return SamplingParams
-    if name in ("LLM", "RequestOutput"):
+    if name in ("LLM", "RequestOutput", "LoRARequest"):
         from tinyserve import llm
 
         return getattr(llm, name)

@@ -21,7 +21,7 @@ from tinyserve.config import (  # noqa: E402
     parse_route,
 )
 from tinyserve.core.routing import Router  # noqa: E402
-from tinyserve.served_models import build_models  # noqa: E402
+from tinyserve.served_models import build_models, parse_lora_module  # noqa: E402
 
 
 def parse_size(text: str) -> int:
@@ -115,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not reuse KV blocks of identical prompt prefixes")
     k.add_argument("--enforce-eager", action="store_true",
                    help="no decode buckets: no padding, no recorded launches, no CUDA graphs")
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters on the base model (implied by --lora-modules)")
+    lo.add_argument("--lora-modules", action="append", default=[], metavar="NAME=DIR",
+                    help="a PEFT adapter directory served as model NAME (repeatable); or "
+                         '\'{"name": NAME, "path": DIR, "base_model_name": MODEL}\' with '
+                         "several models")
+    lo.add_argument("--max-loras", type=int, default=None,
+                    help="adapters on the device at once (default 1 with --enable-lora); more "
+                         "are swapped in as requests need them")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    lo.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="adapters kept in host memory (default: --max-loras)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
@@ -193,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
             grammar_cache_bytes=args.grammar_cache_memory,
             grammar_tenant_cache_bytes=args.grammar_tenant_cache_memory,
-            grammar_max_bytes=args.grammar_max_memory)
+            grammar_max_bytes=args.grammar_max_memory,
+            max_loras=args.max_loras if args.max_loras is not None else int(
+                args.enable_lora or bool(args.lora_modules)),
+            max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
         models = build_models(engine_cfg, args.model or [], args.served_model_name)
         tenants = load_tenants(args.tenants) if args.tenants else ()
         server_cfg = ServerConfig(
@@ -210,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             access_log=args.access_log, metrics_namespace=args.metrics_namespace,
             tool_call_parser=args.tool_call_parser, responses_store_max=args.responses_store,
             special_tokens_in_content=args.special_tokens_in_content,
-            responses_store_max_bytes=args.responses_store_size)
-        Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks)  # checks
+            responses_store_max_bytes=args.responses_store_size,
+            lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules))
+        Router([m.name for m in models], server_cfg.routes, server_cfg.fallbacks,
+               adapters=[name for name, _, _ in server_cfg.lora_modules])  # checks
     except (ValueError, OSError) as e:  # OSError: an unreadable tenants file
         print(f"error: {e}", file=sys.stderr)
         return 2

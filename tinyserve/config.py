@@ -49,6 +49,11 @@ class EngineConfig:
     grammar_cache_bytes: int = 512 << 20
     grammar_tenant_cache_bytes: int = 128 << 20
     grammar_max_bytes: int = 64 << 20
+    # LoRA adapters (engine/lora.py): device slots (0: none served), the largest rank, and
+    # how many adapters host memory keeps (None: max_loras)
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Several models in one process (build_models sets these): this model's share of the KV
     # budget; sized from free GPU memory, the share of what is free when it loads that it
     # takes, and the bytes to leave for the weights of the models loaded after it.
@@ -95,6 +100,12 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_loras < 0 or not 1 <= self.max_lora_rank <= 256:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank in [1, 256], got "
+                             f"{self.max_loras} and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < max(self.max_loras, 1):
+            raise ValueError(f"max_cpu_loras must be >= max_loras ({self.max_loras}), got "
+                             f"{self.max_cpu_loras}")
         for name in ("grammar_cache_bytes", "grammar_tenant_cache_bytes", "grammar_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -154,7 +165,9 @@ class TenantConfig:
     tokens_per_minute: int | None = None  # token bucket over prompt + completion tokens
     degradable: bool = False  # may be served by a fallback model when degraded
     cache_group: str | None = None  # prefix-cache sharing scope; None: the tenant's own
-    admin: bool = False  # may change routes live
+    admin: bool = False  # may change routes live, load and unload LoRA adapters
+    # LoRA adapters it may use (None: all of them; admins: all; the base models always)
+    adapters: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         where = f"tenants.{self.name}"
@@ -166,10 +179,18 @@ class TenantConfig:
                 raise ValueError(f"{where}.{field} must be a positive integer, got {value!r}")
         if type(self.priority) is not int:
             raise ValueError(f"{where}.priority must be an integer, got {self.priority!r}")
+        if self.adapters is not None and (not isinstance(self.adapters, (list, tuple)) or not all(
+                isinstance(a, str) for a in self.adapters)):
+            raise ValueError(f"{where}.adapters must be a list of adapter names")
+        if isinstance(self.adapters, list):
+            object.__setattr__(self, "adapters", tuple(self.adapters))
         for field in ("degradable", "admin"):
             if type(getattr(self, field)) is not bool:
                 raise ValueError(f"{where}.{field} must be true or false, got "
                                  f"{getattr(self, field)!r}")
+
+    def may_use(self, adapter: str) -> bool:
+        return self.admin or self.adapters is None or adapter in self.adapters
 
     @property
     def cache_salt(self) -> bytes:
@@ -235,6 +256,8 @@ class ServerConfig:
     # "text": special-token text in chat message content is tokenized as text, so content cannot
     # forge a turn or an EOS (prompts.py); "parse": as transformers and vLLM do
     special_tokens_in_content: str = "text"
+    # --lora-modules: (name, PEFT directory, base model or None: the first served model)
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
     # POST /v1/responses with store: the responses kept for previous_response_id and GET, per
     # tenant (least recently used dropped first, by count and by bytes)
     responses_store_max: int = 1000

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from tinyserve.config import EngineConfig
+from tinyserve.core.adapters import AdapterRegistry, AdapterSpec
 from tinyserve.core.engine_core import CoreConfig, EngineCore
 from tinyserve.core.request import Request
 from tinyserve.engine.device_engine import DeviceEngine
@@ -20,6 +21,16 @@ from tinyserve.messages import SamplingParams
 log = logging.getLogger(__name__)
 
 Prompt = str | Seq[int]
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """vLLM's: the adapter a prompt runs with (a PEFT directory), by name; the id is vLLM's
+    and unused here (a name is loaded once)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +62,15 @@ class LLM:
         self.info = self.engine.info
         self.core = EngineCore(CoreConfig.from_engine(self.config, self.info), self.tokenizer)
         self._ids = itertools.count()
+        self.adapters = None if not self.info.max_loras else AdapterRegistry(
+            "", self.info.lora_dims, self.info.max_lora_rank)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None: the base model)
+        per prompt; an adapter is loaded on first use (the engine needs max_loras > 0)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -62,11 +78,16 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else \
+            [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                ids.append(self.core.add_request(next(self._ids), tokens, p).request_id)
+                ids.append(self.core.add_request(next(self._ids), tokens, p,
+                                                 adapter=self._adapter(lora)).request_id)
             while self.core.has_unfinished:
                 plan = self.core.schedule()
                 if plan is None:
@@ -76,6 +97,14 @@ class LLM:
         finally:
             for i in ids:
                 self.core.release(i)  # after an error: free whatever is left
+
+    def _adapter(self, lora: LoRARequest | None) -> AdapterSpec | None:
+        if lora is None:
+            return None
+        if self.adapters is None:
+            raise ValueError("LoRA adapters need an engine with max_loras > 0")
+        return self.adapters.get(lora.lora_name) or self.adapters.load(lora.lora_name,
+                                                                       lora.lora_path)
 
     def _output(self, req: Request) -> RequestOutput:
         seq = req.seq

@@ -198,6 +198,16 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     # prompt_logprobs: the prompt tokens that follow this chunk's first positions (one per
     # position, while the next token is still the prompt's): their logprobs are wanted.
     prompt_targets: tuple[int, ...] = ()
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
+
+
+class LoraLoad(msgspec.Struct, frozen=True):
+    """Copy an adapter into a device slot before the step runs (core/lora_slots.py)."""
+
+    slot: int
+    adapter_id: int
+    path: str  # its PEFT directory (the runner keeps recent ones in host memory)
+    scale: float  # alpha / r (rsLoRA: alpha / sqrt(r))
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag=True):
@@ -206,6 +216,7 @@ class StepPlan(msgspec.Struct, frozen=True, tag=True):
     # Sequences released since the last plan (finished, aborted, preempted): the runner drops
     # their block-table rows before it reads this plan's entries.
     freed: tuple[int, ...] = ()
+    lora_loads: tuple[LoraLoad, ...] = ()  # adapters into slots, before this step runs
 
     @property
     def num_tokens(self) -> int:
@@ -263,6 +274,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     n: int = 1
     # n > 1: the first choice's id, on the others: they start once it has its first token
     after: int | None = None
+    adapter: Any = None  # core.adapters.AdapterSpec: the LoRA adapter it runs with (None: base)
 
     @property
     def reply_to(self) -> Any:
@@ -349,6 +361,8 @@ class StepStats(msgspec.Struct, frozen=True, tag=True):
     slo_limit: int = 0  # requests the SLO controller lets the server hold (0: no control)
     degradation_level: int = 0
     model: str = ""
+    # LoRA (only where the model serves adapters): vLLM's lora_requests_info, and the loads
+    lora: tuple[tuple[str, ...], tuple[str, ...], int, int] | None = None  # running, waiting, max, loads
 
 
 class RequestFinished(msgspec.Struct, frozen=True, tag=True):
@@ -364,6 +378,7 @@ class RequestFinished(msgspec.Struct, frozen=True, tag=True):
     itl_seconds: tuple[float, ...]
     max_tokens: int = 0  # the request's max_tokens (after defaults)
     n: int = 1  # the API request's n on its first choice, 0 on the others
+    adapter: str = ""  # its LoRA adapter's name ("": the base model)
 
 
 class AdmissionRejected(msgspec.Struct, frozen=True, tag=True):

@@ -145,3 +145,23 @@ def _weight_bytes(path: str, options: dict[str, str]) -> int:
                 groups = -(-shape[1] // 128)
                 total += min(stored, shape[0] * groups * (64 + 5))
     return total
+
+
+def parse_lora_module(text: str) -> tuple[str, str, str | None]:
+    """``--lora-modules`` values, as vLLM's: ``NAME=DIR``, or a JSON object with ``name``,
+    ``path`` and ``base_model_name`` (several models: which one it adapts; None: the first)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {text}: {e}") from None
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or \
+                not isinstance(d.get("path"), str) or set(d) - {"name", "path", "base_model_name"}:
+            raise ValueError(f"--lora-modules {text}: expected {{\"name\": ..., \"path\": ..., "
+                             "\"base_model_name\": ...}")
+        return d["name"], d["path"], d.get("base_model_name")
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text}: expected NAME=DIR")
+    return name, path, None

@@ -33,6 +33,7 @@ from tinyserve.api.app import Api
 from tinyserve.api.context import Serving
 from tinyserve.api.prompts import PromptParser
 from tinyserve.config import ServerConfig
+from tinyserve.core.adapters import AdapterRegistry
 from tinyserve.core.routing import Router, describe
 from tinyserve.core.slo import SloController
 from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
@@ -56,7 +57,8 @@ class Server:
         self.models = tuple(models)
         self._engines = dict(engines or {})
         # Checks names, routes and fallbacks before anything loads (ValueError).
-        self.router = Router([m.name for m in self.models], cfg.routes, cfg.fallbacks)
+        self.router = Router([m.name for m in self.models], cfg.routes, cfg.fallbacks,
+                             adapters=[name for name, _, _ in cfg.lora_modules])
         self.api = Api(cfg)
         self.metrics: Metrics | None = None
         self.admission: Admission | None = None
@@ -106,7 +108,7 @@ class Server:
                                       self.cfg.special_tokens_in_content)
                    for name, e in engines.items()}
         self.api.serving = Serving(parsers, self.admission, self.router, self.metrics,
-                                   self.supervisor)
+                                   self.supervisor, self._adapters(engines))
         self._log_setup()
         for spec in self.models:
             warm_up = getattr(engines[spec.name], "warm_up", None)
@@ -180,6 +182,26 @@ class Server:
         for name, other in self.router.fallbacks.items():
             log.info("fallback %s -> %s (degradable tenants, while %s is degraded or down)",
                      name, other, name)
+
+    def _adapters(self, engines: dict[str, Any]) -> dict[str, AdapterRegistry]:
+        """Each model that serves LoRA adapters: its registry, with the --lora-modules
+        loaded (ValueError: one that does not fit, or a name already taken)."""
+        registries = {name: AdapterRegistry(name, e.info.lora_dims, e.info.max_lora_rank)
+                      for name, e in engines.items() if getattr(e.info, "max_loras", 0)}
+        taken = set(engines) | set(self.router.routes)
+        for name, path, base in self.cfg.lora_modules:
+            base = base or self.models[0].name
+            if base not in engines:
+                raise ValueError(f"--lora-modules {name}: no served model {base!r}")
+            if base not in registries:
+                raise ValueError(f"--lora-modules {name}: {base} serves no adapters "
+                                 "(--enable-lora / --max-loras)")
+            if name in taken:
+                raise ValueError(f"--lora-modules {name}: the name is already a model or route")
+            registries[base].load(name, path)
+            taken.add(name)
+            log.info("LoRA adapter %r on %s from %s", name, base, path)
+        return registries
 
     def _check_fallbacks(self, engines: dict[str, Any]) -> None:
         """A fallback serves prompts tokenized (and bounded by the vocabulary) for the other

@@ -231,8 +231,12 @@ def test_the_degradation_ladder_sheds_by_priority_and_caps_degradable_tenants():
 
 def test_under_kv_pressure_high_priority_keeps_its_ttft_and_low_priority_still_finishes():
     """Acceptance (issue 7): a high-priority tenant's TTFT next to low-priority requests that
-    overflow the KV pool stays within 1.5x of its unloaded value (plus one step of slack);
-    the low-priority requests are preempted and still complete with their solo text."""
+    overflow the KV pool stays within 1.5x of its unloaded value plus two steps: the step
+    running when it arrives and the one already planned behind it (overlap: two steps are in
+    flight, so an arrival waits for both before it can preempt anyone); the low-priority
+    requests are preempted and still complete with their solo text. (The slack was one step
+    while a CPU step's result waited behind the next step, which made the unloaded TTFT a
+    step longer too: 48-169 ms alone then, 27 ms now.)"""
     from loadtest.bench_tenants import stream_one
 
     tenants = (TenantConfig("hi", "key-hi", priority=10), TenantConfig("lo", "key-lo"))
@@ -270,4 +274,4 @@ def test_under_kv_pressure_high_priority_keeps_its_ttft_and_low_priority_still_f
           f"max {max(loaded) * 1e3:.0f} ms; {preemptions:.0f} preemptions")
     assert preemptions > 0
     assert together == solo and all(status == 200 for status, _ in together)
-    assert max(loaded) <= 1.5 * max(alone) + 0.02, (alone, loaded)
+    assert max(loaded) <= 1.5 * max(alone) + 2 * 0.02, (alone, loaded)

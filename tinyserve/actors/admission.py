@@ -156,8 +156,8 @@ class Admission:
         """A degradable request its model has no room for goes to the fallback, if that has
         room, fits it, and its own ladder would not shed it."""
         tenant = self._tenants[msg.tenant]
-        if not tenant.degradable or lane.fallback is None:
-            return None
+        if not tenant.degradable or lane.fallback is None or msg.adapter is not None:
+            return None  # (an adapter lives on its base model: it cannot move)
         other = self.lanes[lane.fallback]
         if other.slo.level >= 2:  # the fallback's own ladder caps degradable tenants
             msg = _capped(msg)
@@ -180,7 +180,7 @@ class Admission:
         tenant = self._tenants[msg.tenant]
         why = ("down" if lane.down else "degraded" if lane.slo.level >= 2 or self._shed(
             lane, tenant) else "")
-        if why and tenant.degradable and lane.fallback is not None:
+        if why and tenant.degradable and lane.fallback is not None and msg.adapter is None:
             other = self.lanes[lane.fallback]
             moved = _capped(msg) if lane.slo.level >= 2 or other.slo.level >= 2 else msg
             if (other.down is None and not other.full and not self._shed(other, tenant) and

@@ -222,7 +222,7 @@ class Batcher:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   msg.cache_salt, msg.priority, msg.tenant, reply_to=msg.reply_to,
                                   arrival_time=msg.arrival_time, internal=msg.internal,
-                                  n=msg.n)
+                                  n=msg.n, adapter=msg.adapter)
         except FieldError as e:
             msg.reply_to.put_nowait(Failed(400, str(e), param=e.field))
         except ValueError as e:  # (a duplicate id: a bug, but the request is still answered)
@@ -355,7 +355,8 @@ class Batcher:
             generation_tokens=seq.num_output_tokens,
             queue_seconds=None if req.first_scheduled is None else req.first_scheduled - arrival,
             ttft_seconds=ttft, e2e_seconds=(times[-1] if times else time.monotonic()) - arrival,
-            itl_seconds=itls, max_tokens=seq.params.max_tokens, n=req.n))
+            itl_seconds=itls, max_tokens=seq.params.max_tokens, n=req.n,
+            adapter="" if seq.adapter is None else seq.adapter.name))
 
     def _emit_stats(self, num_tokens: int) -> None:
         sched, kv = self.core.scheduler, self.core.kv
@@ -365,7 +366,19 @@ class Batcher:
             prompt_tokens_computed=sched.num_prompt_tokens_computed,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             slo_limit=self.slo.limit if self.slo.enabled else 0,
-            degradation_level=self.slo.level, model=self.model))
+            degradation_level=self.slo.level, model=self.model, lora=self._lora_stats()))
+
+    def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...], int, int] | None:
+        """(adapters running, adapters waiting, slots, loads so far); None without adapters.
+        O(sequences) a step, only where adapters are served."""
+        sched = self.core.scheduler
+        if sched.lora_slots is None:
+            return None
+
+        def names(seqs) -> tuple[str, ...]:
+            return tuple(sorted({s.adapter.name for s in seqs if s.adapter is not None}))
+        return (names(sched.running), names(sched.waiting), sched.lora_slots.max_loras,
+                sched.lora_slots.num_loads)
 
 
 def _stop_reason(req: Request) -> str | int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
@@ -133,6 +134,14 @@ class Metrics:
                                          "Prompt tokens run through the model (prefix-cache "
                                          "hits excluded, recomputes after preemption included)")
         self.preemptions = per_model(C, "num_preemptions", "Sequences preempted")
+        # vLLM's: a sample whose labels list the adapters running and waiting (its value: when)
+        self.lora_info = Gauge(p + "lora_requests_info", "Running stats on LoRA requests",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                               registry=r)
+        self.lora_requests = per_model(C, "lora_requests", "Requests finished, by the LoRA "
+                                       "adapter they ran with", "lora_name")
+        self.lora_loads = per_model(C, "lora_loads", "LoRA adapters copied into a device slot "
+                                    "(the first load and every swap after)")
         self.degradation = per_model(G, "degradation_level",
                                      "0 normal; 1 shedding the lowest priority; 2 and capping "
                                      "degradable tenants; 3 only the highest priority")
@@ -243,10 +252,18 @@ class Metrics:
         self._advance(self.prompt_computed, m, "prompt_tokens_computed", ev.prompt_tokens_computed)
         self._advance(self.prefix_queries, m, "prefix_queries", ev.prefix_queries)
         self._advance(self.prefix_hits, m, "prefix_hits", ev.prefix_hits)
+        if ev.lora is not None:
+            running, waiting, max_lora, loads = ev.lora
+            self.lora_info.clear()  # one sample: the state now
+            self.lora_info.labels(str(max_lora), ",".join(waiting), ",".join(running)).set(
+                time.time())
+            self._advance(self.lora_loads, m, "lora_loads", loads)
 
     def _finished(self, ev: RequestFinished) -> None:
         m = ev.model
         self.success.labels(m, m, ev.finish_reason).inc()
+        if ev.adapter:
+            self.lora_requests.labels(m, m, ev.adapter).inc()
         if ev.within_slo:
             self.goodput.labels(m, m, ev.tenant).inc()
         self.prompt_tokens.labels(m, m).inc(ev.prompt_tokens)

@@ -228,10 +228,11 @@ class MessagesRoutes:
         async with self._ctx.parsing:
             req = decode(await read_body(request), MessagesRequest)
             chat, one_call = chat_request(req)
-            model, _, (prompts, params, tools) = await prepare(serving, tenant, chat)
+            routed, _, (prompts, params, tools) = await prepare(serving, tenant, chat)
         return await self._generator.run(request, Job(
-            prompts, params, 1, tenant, model, req.stream,
-            lambda answering, _choices: MessagesShaper(answering, tools, one_call)))
+            prompts, params, 1, tenant, routed.model, req.stream,
+            lambda answering, _choices: MessagesShaper(answering, tools, one_call),
+            routed.adapter))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``POST /v1/messages/count_tokens``: the prompt's length as the same request would

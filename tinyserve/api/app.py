@@ -10,6 +10,7 @@ loaded models once the server sets them, and the requests still waiting on an an
     GET  /openapi.json                            info.py (openapi.py)
     GET  /health, /ready, /metrics                probes.py
     GET, POST /admin/routes                       admin.py
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   lora_admin.py
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tinyserve.api.completions import CompletionRoutes
 from tinyserve.api.context import ApiContext, Serving
 from tinyserve.api.generate import Generator
 from tinyserve.api.info import InfoRoutes
+from tinyserve.api.lora_admin import LoraAdminRoutes
 from tinyserve.api.middleware import middlewares
 from tinyserve.api.probes import Probes
 from tinyserve.api.responses import ResponsesRoutes
@@ -60,6 +62,7 @@ class Api:
         responses = ResponsesRoutes(ctx, self.generator)
         probes, admin = Probes(ctx), AdminRoutes(ctx)
         anthropic = MessagesRoutes(ctx, self.generator)
+        loras = LoraAdminRoutes(ctx)
         add = {"GET": app.router.add_get, "POST": app.router.add_post,  # (GET: HEAD too)
                "DELETE": app.router.add_delete}
         for method, path, handler in (
@@ -79,6 +82,8 @@ class Api:
                 ("GET", "/ready", probes.ready),
                 ("GET", "/metrics", probes.metrics),
                 ("GET", "/admin/routes", admin.get_routes),
-                ("POST", "/admin/routes", admin.set_routes)):
+                ("POST", "/admin/routes", admin.set_routes),
+                ("POST", "/v1/load_lora_adapter", loras.load),
+                ("POST", "/v1/unload_lora_adapter", loras.unload)):
             add[method](path, handler)
         return app

@@ -45,6 +45,6 @@ def authenticate(request: web.Request, tenants: Sequence[TenantConfig]) -> Tenan
 def authenticate_admin(request: web.Request, tenants: Sequence[TenantConfig]) -> TenantConfig:
     tenant = authenticate(request, tenants)
     if not tenant.admin:
-        raise ApiError(403, f"tenant {tenant.name} may not change routes (admin = true in "
-                       "the tenants file)", code="permission_denied")
+        raise ApiError(403, f"tenant {tenant.name} may not use the admin routes (routes, LoRA "
+                       "adapters: admin = true in the tenants file)", code="permission_denied")
     return tenant

@@ -18,7 +18,7 @@ from tinyserve.api.context import ApiContext, Serving, read_body
 from tinyserve.api.errors import ApiError
 from tinyserve.api.fields import decode_request
 from tinyserve.api.generate import Generator, Job, check_before_compile
-from tinyserve.api.info import route
+from tinyserve.api.info import Routed, route
 from tinyserve.api.prompts import PromptParser, batch_of
 from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
 from tinyserve.api.sampling import Generating, sampling_params
@@ -50,14 +50,14 @@ class CompletionRoutes:
         serving = healthy(self._ctx)
         async with self._ctx.parsing:
             req = decode_request(await read_body(request), kind)
-            model, parser, (prompts, params, tools) = await prepare(serving, tenant, req)
+            routed, parser, (prompts, params, tools) = await prepare(serving, tenant, req)
         chat = isinstance(req, ChatCompletionRequest)
         if chat and req.stream and req.prompt_logprobs is not None:
             raise ApiError(400, "prompt_logprobs is not supported with stream in chat "
                            "completions", param="prompt_logprobs", code="unsupported_parameter")
         return await self._generator.run(request, Job(
-            prompts, params, req.n, tenant, model, req.stream,
-            _shaper(req, parser, params, prompts, tools)))
+            prompts, params, req.n, tenant, routed.model, req.stream,
+            _shaper(req, parser, params, prompts, tools), routed.adapter))
 
 
 def healthy(ctx: ApiContext) -> Serving:
@@ -70,19 +70,20 @@ def healthy(ctx: ApiContext) -> Serving:
 
 
 async def prepare(serving: Serving, tenant: TenantConfig, req: Generating, admit: bool = True
-                  ) -> tuple[str, PromptParser,
+                  ) -> tuple[Routed, PromptParser,
                              tuple[list[list[int]], SamplingParams, ToolPlan | None]]:
     """A decoded request -> the served model it routes to, that model's parser, and what
     ``parse`` makes of it there. The Responses and Messages APIs come here with the chat
     request they translate to. ``admit``: the request is to run, so the admission checks
     that need no grammar run before one is compiled (not for counting tokens)."""
-    model = route(serving, req.model, tenant, req.user)
-    parser = serving.parsers[model]
+    routed = route(serving, req.model, tenant, req.user)
+    parser = serving.parsers[routed.model]
 
     def admissible(prompts: list[list[int]], params: SamplingParams) -> None:
-        check_before_compile(serving, Job(prompts, params, req.n, tenant, model, False, None))
-    return model, parser, await parse(parser, req, tenant.cache_salt.decode(),
-                                      admissible if admit else None)
+        check_before_compile(serving, Job(prompts, params, req.n, tenant, routed.model, False,
+                                          None))
+    return routed, parser, await parse(parser, req, tenant.cache_salt.decode(),
+                                       admissible if admit else None)
 
 
 async def parse(parser: PromptParser, req: Generating, grammar_scope: str = "",

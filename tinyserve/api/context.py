@@ -5,7 +5,7 @@ and parsed at once, and reading a request's body."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tinyserve.actors.metrics import Metrics
     from tinyserve.actors.supervisor import Supervisor
     from tinyserve.api.prompts import PromptParser
+    from tinyserve.core.adapters import AdapterRegistry, AdapterSpec
     from tinyserve.core.routing import Router
 
 CLIENT_ID = web.RequestKey("client_id", str)  # X-Request-Id: echoed and logged, never a key
@@ -35,6 +36,16 @@ class Serving:
     router: Router  # the admin route handler is its only writer (POST /admin/routes)
     metrics: Metrics
     supervisor: Supervisor
+    # base model -> its LoRA adapters (only the models that serve some)
+    adapters: dict[str, AdapterRegistry] = field(default_factory=dict)
+
+    def adapter(self, name: str) -> tuple[str, AdapterSpec] | None:
+        """(base model, adapter) for an adapter's name, or None."""
+        for base, registry in self.adapters.items():
+            spec = registry.get(name)
+            if spec is not None:
+                return base, spec
+        return None
 
 
 class ApiContext:

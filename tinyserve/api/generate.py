@@ -34,6 +34,7 @@ from tinyserve.api.sampling import MAX_N, choice_params
 from tinyserve.api.shaping import Shaper, logprob_entries
 from tinyserve.api.sse import OFF_LOOP_LOGPROBS, stream
 from tinyserve.config import TenantConfig
+from tinyserve.core.adapters import AdapterSpec
 from tinyserve.messages import AdmissionRejected, Failed, Output, SamplingParams, Submit
 
 MAX_BATCH = 64  # outputs one stream write may carry (a reader far behind catches up in steps)
@@ -52,6 +53,7 @@ class Job:
     model: str  # the served model it was routed to
     stream: bool
     shaper: Callable[[str, int], Shaper]  # (answering model, choices) -> the response's shaper
+    adapter: AdapterSpec | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class Generator:
@@ -78,6 +80,9 @@ class Generator:
             access.prompt_tokens = sum(len(p) for p in job.prompts)
         for h in handles:
             self._live[h.request_id] = h
+        registry = serving.adapters.get(job.model) if job.adapter is not None else None
+        if registry is not None:  # an unload waits until no request uses the adapter
+            registry.acquire(job.adapter.name)
         try:
             for i, h in enumerate(handles):
                 first = i - i % job.n
@@ -86,7 +91,8 @@ class Generator:
                              None if i == first else handles[first].request_id)
             for i, h in enumerate(handles):  # (the access line names the first's model)
                 await self._decided(h, access if i == 0 else None)
-            answering = handles[0].lane.name
+            # an adapter answers as itself (as vLLM names it); it never leaves its base
+            answering = job.adapter.name if job.adapter is not None else handles[0].lane.name
             shaper = job.shaper(answering, len(handles))
             outputs = _merged([self._outputs(h, access if i == 0 else None, i)
                                for i, h in enumerate(handles)])
@@ -101,12 +107,15 @@ class Generator:
             for h in handles:
                 del self._live[h.request_id]
                 h.close()
+            if registry is not None:
+                registry.release(job.adapter.name)
 
     def _submit(self, serving: Serving, job: Job, h: RequestHandle, prompt_ids: list[int],
                 params: SamplingParams, n: int, after: int | None) -> None:
         t = job.tenant
         msg = Submit(h.request_id, tuple(prompt_ids), params, time.monotonic(), h,
-                     t.cache_salt, t.name, t.priority, job.model, n=n, after=after)
+                     t.cache_salt, t.name, t.priority, job.model, n=n, after=after,
+                     adapter=job.adapter)
         try:
             serving.admission.inbox.put_nowait(msg)
         except asyncio.QueueFull:  # capacity requests are already ahead of this one

@@ -77,7 +77,7 @@ class ResponsesRoutes:
             given = input_messages(req.input)
             chat = to_chat(req, history + given)
             try:
-                model, parser, (prompts, params, tools) = await prepare(serving, tenant, chat)
+                routed, parser, (prompts, params, tools) = await prepare(serving, tenant, chat)
             except ApiError as e:
                 raise _renamed(e) from None
 
@@ -86,8 +86,8 @@ class ResponsesRoutes:
                 self.store.put(tenant.name, response, history + given + output)
 
         return await self._generator.run(request, Job(
-            prompts, params, 1, tenant, model, req.stream,
-            lambda answering, _: ResponsesShaper(req, answering, tools, keep)))
+            prompts, params, 1, tenant, routed.model, req.stream,
+            lambda answering, _: ResponsesShaper(req, answering, tools, keep), routed.adapter))
 
     async def get(self, request: web.Request) -> web.Response:
         tenant = authenticate(request, self._ctx.cfg.tenant_list)

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.request import Request
@@ -44,6 +45,7 @@ class CoreConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     kv_window: int | None = None  # every layer's sliding window: older blocks are given back
+    max_loras: int = 0  # LoRA adapter slots on the device (0: no adapters)
 
     @classmethod
     def from_engine(cls, cfg: EngineConfig, info: Any) -> CoreConfig:
@@ -54,7 +56,7 @@ class CoreConfig:
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids,
                    enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed,
-                   kv_window=info.kv_window)
+                   kv_window=info.kv_window, max_loras=getattr(info, "max_loras", 0))
 
 
 class EngineCore:
@@ -64,7 +66,8 @@ class EngineCore:
         self.kv = KVCacheManager(BlockPool(cfg.num_kv_blocks, cfg.block_size),
                                  cfg.enable_prefix_caching, cfg.kv_window)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                                   cfg.max_model_len, cfg.eos_token_ids), self.kv)
+                                                   cfg.max_model_len, cfg.eos_token_ids,
+                                                   cfg.max_loras), self.kv)
         self._rng = random.Random(cfg.seed)
         self.requests: dict[int, Request] = {}  # by the server's id (= the sequence's id)
 
@@ -78,14 +81,19 @@ class EngineCore:
 
     def add_request(self, request_id: int, prompt_token_ids: list[int] | tuple[int, ...],
                     params: SamplingParams, cache_salt: bytes = b"", priority: int = 0,
-                    tenant: str = "", **serving) -> Request:
-        """Queue a request; ``serving`` fills the Request's reply queue and timing fields."""
+                    tenant: str = "", adapter: AdapterSpec | None = None,
+                    **serving) -> Request:
+        """Queue a request; ``serving`` fills the Request's reply queue and timing fields.
+        ``adapter``: the LoRA adapter it runs with (its prefix-cache blocks are its own)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.check(prompt_token_ids, params)
+        if adapter is not None and self.scheduler.lora_slots is None:
+            raise ValueError("this engine serves no LoRA adapters")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, cache_salt=cache_salt,
-                       priority=priority, tenant=tenant)
+        salt = cache_salt if adapter is None else cache_salt + adapter.cache_salt
+        seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, cache_salt=salt,
+                       priority=priority, tenant=tenant, adapter=adapter)
         self.scheduler.add(seq)
         req = Request(seq, IncrementalDetokenizer(
             self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens,

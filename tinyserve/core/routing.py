@@ -52,13 +52,18 @@ def check_weights(alias: str, weights: Weights, models: Iterable[str]) -> Weight
 
 class Router:
     def __init__(self, models: Iterable[str], routes: Iterable[tuple[str, Weights]] = (),
-                 fallbacks: Iterable[tuple[str, str]] = ()) -> None:
+                 fallbacks: Iterable[tuple[str, str]] = (), adapters: Iterable[str] = ()
+                 ) -> None:
         self.models = tuple(models)
+        # LoRA adapters' names: routes may target them (the server keeps it current as
+        # adapters load and unload); a request for one is resolved to its base by the API
+        self.adapters: set[str] = set(adapters)
         self.routes: dict[str, Weights] = {}
         for alias, weights in routes:
-            if alias in self.models or alias in self.routes:
-                raise ValueError(f"route {alias}: the name is already a model or a route")
-            self.routes[alias] = check_weights(alias, weights, self.models)
+            if alias in self.models or alias in self.routes or alias in self.adapters:
+                raise ValueError(f"route {alias}: the name is already a model, an adapter or "
+                                 "a route")
+            self.routes[alias] = check_weights(alias, weights, self.targets)
         self.fallbacks: dict[str, str] = {}
         for name, other in fallbacks:
             if name not in self.models or other not in self.models:
@@ -73,7 +78,7 @@ class Router:
         """The served model for a request's ``model``; None if it names nothing served.
         A key whose target is ``down`` is spread over the targets still up (by a second,
         equally sticky point) while any is; every other key stays where it was."""
-        if name in self.models:
+        if name in self.models or name in self.adapters:
             return name
         weights = self.routes.get(name)
         if weights is None:
@@ -92,10 +97,15 @@ class Router:
         if alias not in self.routes:
             raise KeyError(alias)
         old = self.routes[alias]
-        new = check_weights(alias, weights, self.models)
+        new = check_weights(alias, weights, self.targets)
         rank = {name: i for i, (name, _) in enumerate(old)}
         self.routes[alias] = tuple(sorted(new, key=lambda t: rank.get(t[0], len(rank))))
         return old
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """What a route may name: the served models and the adapters."""
+        return self.models + tuple(sorted(self.adapters))
 
     def table(self) -> dict[str, dict[str, float]]:
         return {alias: dict(w) for alias, w in self.routes.items()}

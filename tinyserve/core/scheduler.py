@@ -38,6 +38,7 @@ import msgspec
 
 from tinyserve.config import min_kv_blocks
 from tinyserve.core.kv_manager import KVCacheManager
+from tinyserve.core.lora_slots import LoraSlots
 from tinyserve.core.sequence import SeqStatus, Sequence, mix_seed
 from tinyserve.messages import PLACEHOLDER, FieldError, ScheduledSeq, StepPlan, StepResult
 
@@ -50,6 +51,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
+    max_loras: int = 0  # LoRA adapters on the device at once (0: none served)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -85,6 +87,7 @@ class Scheduler:
         self.max_tokens_per_step = cfg.max_num_batched_tokens
         self.served: dict[str, int] = {}  # tenant -> tokens scheduled for it (virtual counter)
         self._active: Counter[str] = Counter()  # tenant -> its unfinished sequences
+        self.lora_slots = LoraSlots(cfg.max_loras) if cfg.max_loras else None
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -161,10 +164,16 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        no_slot: set[int] = set()  # waiting sequences whose adapter found no slot this step
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self._next_waiting()
+            seq = self._next_waiting(no_slot)
+            if seq is None:
+                break
             if preempted and not self._outranks(seq):
                 break  # blocks are short: only a higher priority may take them this step
+            if seq.adapter is not None and seq.lora_slot < 0 and not self._take_slot(seq):
+                no_slot.add(seq.seq_id)  # every slot is held: others go ahead of it
+                continue
             if not seq.block_ids:
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -196,24 +205,43 @@ class Scheduler:
         self._step_id += 1
         seqs = tuple(self._plan_entry(s, n) for s, n in chosen)
         freed, self._freed = tuple(self._freed), []
-        return StepPlan(step_id=self._step_id, seqs=seqs, freed=freed)
+        loads = self.lora_slots.take_loads() if self.lora_slots is not None else ()
+        return StepPlan(step_id=self._step_id, seqs=seqs, freed=freed, lora_loads=loads)
 
     def _outranks(self, seq: Sequence) -> bool:
         """A running sequence of lower priority exists (the last one), whose blocks it may take."""
         return bool(self.running) and self.running[-1].priority < seq.priority
 
-    def _next_waiting(self) -> Sequence:
-        """The oldest waiting sequence of the least-served tenant at the top priority.
+    def _next_waiting(self, skip: set[int] = frozenset()) -> Sequence | None:
+        """The oldest waiting sequence of the least-served tenant at the top priority, of
+        those not in ``skip`` (None: none left).
 
         O(waiting) when several tenants wait; the queue is bounded by max_waiting."""
-        head = self.waiting[0]
-        best = head
+        head = best = None
         for seq in self.waiting:  # sorted: each tenant's oldest comes before its newer ones
-            if seq.priority != head.priority:
+            if seq.seq_id in skip:
+                continue
+            if head is None:
+                head = best = seq
+            elif seq.priority != head.priority:
                 break
-            if self.served[seq.tenant] < self.served[best.tenant]:
+            elif self.served[seq.tenant] < self.served[best.tenant]:
                 best = seq
         return best
+
+    def _take_slot(self, seq: Sequence) -> bool:
+        """Its adapter's device slot (loaded with the next plan if not resident)."""
+        a = seq.adapter
+        slot = self.lora_slots.acquire(a.adapter_id, a.path, a.scale)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _drop_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.adapter.adapter_id)
+            seq.lora_slot = -1
 
     def _to_compute(self, seq: Sequence) -> int:
         """Tokens a running sequence still needs computed, beyond those in flight; 0 when the
@@ -242,7 +270,7 @@ class Scheduler:
             seq.seq_id, known if len(known) == n else known + (PLACEHOLDER,) * (n - len(known)),
             start, tuple(block_ids[first:]) if first < len(block_ids) else (), sample, p,
             mix_seed(seq.seed, len(token_ids) - num_prompt + pending), seq.num_preemptions,
-            first)
+            first, lora_slot=seq.lora_slot)
         if sample and p.needs_history:
             entry = self._with_history(entry, seq)
         last = seq.num_prompt_tokens - 1  # the last position whose next token is the prompt's
@@ -271,7 +299,9 @@ class Scheduler:
             banned=banned)
 
     def _release(self, seq: Sequence) -> None:
-        """Free the sequence's blocks; the runner drops its block-table row with the next plan."""
+        """Free the sequence's blocks (and its adapter slot); the runner drops its block-table
+        row with the next plan."""
+        self._drop_slot(seq)
         self.kv.free(seq)
         if seq.blocks_sent:
             self._freed.append(seq.seq_id)

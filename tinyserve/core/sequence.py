@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.block_pool import block_hash
 from tinyserve.messages import SamplingParams
 
@@ -64,6 +65,8 @@ class Sequence:
     # prompt_logprobs: entry p is (logprob, rank, top N) of prompt token p + 1, computed at p
     prompt_lps: list[tuple[float, int, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     _block_hashes: list[bytes] = field(default_factory=list)
+    adapter: AdapterSpec | None = None  # its LoRA adapter (None: the base model)
+    lora_slot: int = -1  # the device slot it holds while running (lora_slots.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tinyserve.config import EngineConfig, min_kv_blocks
+from tinyserve.core.adapters import ModelDims
 from tinyserve.engine.device import select_device
 from tinyserve.gguf_file import is_gguf
 from tinyserve.models import SMOLLM2
@@ -42,6 +43,9 @@ class EngineInfo:
     random_weights: bool
     architecture: str = "LlamaForCausalLM"
     kv_window: int | None = None  # every layer's sliding window (blocks behind it are freed)
+    max_loras: int = 0  # LoRA adapter slots (0: no adapters)
+    max_lora_rank: int = 0
+    lora_dims: ModelDims | None = None  # what an adapter must fit (core/adapters.py)
 
 
 def _resolve_dtype(name: str, device: str, checkpoint_dtype: str | None):
@@ -102,6 +106,17 @@ class DeviceEngine:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                         max_model_len, mcfg.max_position_embeddings)
         kv_int8 = cfg.kv_cache_dtype == "int8"
+        lora, dims = None, None
+        if cfg.max_loras:  # (before the KV cache: sized from what memory it leaves)
+            from tinyserve.engine.lora import HostAdapters, LoraStacks
+
+            dims = ModelDims(mcfg.num_layers, mcfg.hidden_size, mcfg.num_heads * mcfg.head_dim,
+                             mcfg.num_kv_heads * mcfg.head_dim, mcfg.intermediate_size)
+            lora = (LoraStacks(dims, cfg.max_loras, cfg.max_lora_rank, dtype, self.device),
+                    HostAdapters(dims, cfg.max_lora_rank, dtype, self.device,
+                                 cfg.max_cpu_loras or cfg.max_loras))
+            log.info("LoRA: %d slots of rank %d, %.1f MiB", cfg.max_loras, cfg.max_lora_rank,
+                     lora[0].nbytes / 2**20)
         one_block = KVCacheSpec(1, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
                                 mcfg.head_dim, dtype, kv_int8)
         num_blocks = self._num_kv_blocks(cfg, mcfg, one_block.bytes_per_block, dtype.itemsize,
@@ -118,10 +133,12 @@ class DeviceEngine:
         spec = dataclasses.replace(one_block, num_blocks=num_blocks)
 
         self.model_config = mcfg
-        model = DecoderModel(mcfg, weights, rope_tables(mcfg, max_model_len, self.device))
+        model = DecoderModel(mcfg, weights, rope_tables(mcfg, max_model_len, self.device),
+                             lora=None if lora is None else lora[0])
         self.runner = ModelRunner(model, mcfg, spec, self.device,
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len,
-                                  enforce_eager=cfg.enforce_eager)
+                                  enforce_eager=cfg.enforce_eager,
+                                  host_adapters=None if lora is None else lora[1])
         self.info = EngineInfo(
             model_path=str(model_dir), device=self.device, dtype=str(dtype).removeprefix("torch."),
             quantization=weights.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
@@ -130,7 +147,9 @@ class DeviceEngine:
             weight_bytes=weights.nbytes(), weight_bytes_unquantized=weights.nbytes(dtype),
             eos_token_ids=self.tokenizer.eos_token_ids, random_weights=random_weights,
             architecture=mcfg.architecture,
-            kv_window=mcfg.sliding_window if mcfg.every_layer_windowed else None)
+            kv_window=mcfg.sliding_window if mcfg.every_layer_windowed else None,
+            max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank if cfg.max_loras else 0,
+            lora_dims=dims)
         self.grammars = _grammar_compiler(self.tokenizer, mcfg.vocab_size, cfg)
         self.runner.logits.grammars = self.grammars
         if weights.quantization:

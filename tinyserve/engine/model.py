@@ -33,6 +33,7 @@ import torch
 
 from tinyserve.engine.kv_cache import KVCache, LayerKV
 from tinyserve.engine.loader import AnyLinear, Int4Linear, Int8GroupLinear, LayerWeights, ModelWeights
+from tinyserve.engine.lora import LoraStacks
 from tinyserve.engine.model_config import ModelConfig
 from tinyserve.engine.rope import RopeTables
 from tinyserve.kernels import (
@@ -68,6 +69,7 @@ class ForwardBatch:
     prefill_q_start: torch.Tensor  # [P + 1] int32, offsets into the prefill part
     prefill_max_q_len: int
     logits_indices: torch.Tensor | None  # [S] int64: rows whose next token is sampled (None: all)
+    lora_slots: torch.Tensor | None = None  # [T] int32: each row's adapter slot (-1: base)
 
 
 
@@ -88,10 +90,12 @@ def linear(x: torch.Tensor, lin: AnyLinear, out: torch.Tensor | None = None,
 
 
 class DecoderModel:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: RopeTables) -> None:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: RopeTables,
+                 lora: LoraStacks | None = None) -> None:
         self.cfg = cfg
         self.w = weights
         self.rope = rope
+        self.lora = lora  # the resident adapters (a batch's lora_slots says whose rows)
         # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype (transformers)
         self.embed_scale = None if cfg.embed_scale is None else float(
             torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
@@ -125,8 +129,9 @@ class DecoderModel:
                 x = self._norm(h, layer.pre_ffn_norm, residual)
             else:
                 x = self._norm(h, layer.post_norm, residual)
-            h = linear(silu_and_mul(linear(x, layer.gate_up), activation=cfg.activation),
-                       layer.down)
+            gate_up = self._lora(i, "gate_up", x, linear(x, layer.gate_up), batch)
+            act = silu_and_mul(gate_up, activation=cfg.activation)
+            h = self._lora(i, "down", act, linear(act, layer.down), batch)
             if cfg.sandwich_norms:
                 h = self._norm(h, layer.post_ffn_norm)
         phase("tail")
@@ -139,7 +144,7 @@ class DecoderModel:
                    kv: LayerKV) -> torch.Tensor:
         cfg = self.cfg
         T, Hq, Hk, Dh = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(x, layer.qkv)  # [T, (Hq + 2Hk) * Dh]
+        qkv = self._lora(i, "qkv", x, linear(x, layer.qkv), batch)  # [T, (Hq + 2Hk) * Dh]
         q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
         k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
         v = qkv[:, (Hq + Hk) * Dh :].view(T, Hk, Dh)
@@ -160,4 +165,12 @@ class DecoderModel:
                                     batch.prefill_seq_lens, batch.prefill_q_start,
                                     batch.prefill_max_q_len, out=o[D:],
                                     table_rows=batch.prefill_rows, **shape)
-        return linear(o.view(T, Hq * Dh), layer.o)
+        o = o.view(T, Hq * Dh)
+        return self._lora(i, "o", o, linear(o, layer.o), batch)
+
+    def _lora(self, i: int, proj: str, x: torch.Tensor, out: torch.Tensor,
+              batch: ForwardBatch) -> torch.Tensor:
+        """out (x through the base projection) plus its rows' adapters' share (in place)."""
+        if batch.lora_slots is not None:
+            self.lora.apply(i, proj, x, out, batch.lora_slots)
+        return out

@@ -16,12 +16,12 @@ from tinyserve.messages import ScheduledSeq
 
 
 def pack_arrays(seqs: list[ScheduledSeq], rows: list[int], table: np.ndarray, block_size: int,
-                holes: dict[int, int]) -> tuple[list[np.ndarray], list[ScheduledSeq],
-                                                list[tuple[int, int]], dict]:
+                holes: dict[int, int], lora: bool = False
+                ) -> tuple[list[np.ndarray], list[ScheduledSeq], list[tuple[int, int]], dict]:
     """-> (arrays in ForwardBatch's order: ids, positions, slots, logits indices, decode rows,
-    decode lengths, prefill rows, prefill lengths, prefill q starts; the sequences that sample;
-    (row in input_ids, source) of each placeholder in ``holes``; the batch's sizes).
-    O(tokens in the step)."""
+    decode lengths, prefill rows, prefill lengths, prefill q starts, and with ``lora`` each
+    row's adapter slot when a row has one; the sequences that sample; (row in input_ids,
+    source) of each placeholder in ``holes``; the batch's sizes). O(tokens in the step)."""
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -63,6 +63,9 @@ def pack_arrays(seqs: list[ScheduledSeq], rows: list[int], table: np.ndarray, bl
 
     arrays = [i64(input_ids), i64(positions), i64(slots), i64(logits_rows + prompt_rows),
               i32(dec_rows), i32(dec_lens), i32(pre_rows), i32(pre_lens), i32(q_start)]
+    if lora and any(s.lora_slot >= 0 for s in seqs):  # (none: the LoRA kernels do not run)
+        arrays.append(np.repeat(np.asarray([s.lora_slot for s in seqs], dtype=np.int32),
+                                [len(s.token_ids) for s in seqs]))
     meta = {"max_pos": max(positions, default=-1), "num_decodes": len(dec_lens),
             "decode_max_seq_len": max(dec_lens, default=0),
             "prefill_max_q_len": max((b - a for a, b in zip(q_start, q_start[1:])), default=0)}

@@ -37,6 +37,7 @@ from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.graphs import capture
 from tinyserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from tinyserve.engine.logits_processing import LogitsProcessors
+from tinyserve.engine.lora import HostAdapters
 from tinyserve.engine.model import DecoderModel, ForwardBatch
 from tinyserve.engine.model_config import ModelConfig
 from tinyserve.engine.packing import pack_arrays
@@ -87,9 +88,11 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: DecoderModel, cfg: ModelConfig, kv_spec: KVCacheSpec,
                  device: torch.device | str, *, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, enforce_eager: bool = False) -> None:
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 host_adapters: HostAdapters | None = None) -> None:
         self.model = model
         self.cfg = cfg
+        self.host_adapters = host_adapters  # LoRA: adapters in host memory, loaded into slots
         self.kv_spec = kv_spec
         self.device = torch.device(device)
         self.kv_cache = allocate_kv_cache(kv_spec, device)
@@ -132,6 +135,9 @@ class ModelRunner:
         # table changes (the host mirror and the device table must not part ways over it).
         self.tables.release(plan.freed)
         self.logits.forget(plan.freed)
+        for load in plan.lora_loads:  # (stream-ordered: a step in flight read the slot first)
+            self.model.lora.load(load.slot, self.host_adapters.get(
+                load.adapter_id, load.path, load.scale))
         seqs, holes = self._placeholders(seqs)
         # (this step's once it has sampled; a step that raises leaves none behind)
         self._prev_tokens, self._prev = self._prev[1], ({}, None)
@@ -225,6 +231,8 @@ class ModelRunner:
         i64[3, :n] = pos + 1
         i64[4, :n] = row
         st.pad_rows(n, B, self.tables.pad_row)
+        if self.model.lora is not None:
+            st.h_lora[:n] = [s.lora_slot for s in seqs]
         self._stage_sampling(seqs)
         self.push_table_updates(updates, statics=True)
         self._fill(st.ids, list(holes.items()))
@@ -277,7 +285,9 @@ class ModelRunner:
             block_tables=self.table_dev, decode_rows=st.rows[:B], decode_seq_lens=st.lens[:B],
             decode_max_seq_len=max_len,  # sizes the split grid: fixed per recording
             prefill_rows=none, prefill_seq_lens=none, prefill_q_start=st.lens[:1],
-            prefill_max_q_len=0, logits_indices=None)
+            prefill_max_q_len=0, logits_indices=None,
+            # with adapters, every bucket runs the LoRA kernels (rows on -1 skip the work)
+            lora_slots=None if self.model.lora is None else st.lora_slots[:B])
 
     @property
     def recorded(self) -> frozenset[tuple[int, int]]:
@@ -316,11 +326,12 @@ class ModelRunner:
         """An eager step's batch, its arrays staged in one pinned copy; ``holes``: the
         placeholders to fill on the device (see ``_placeholders``)."""
         arrays, sampled, fills, meta = pack_arrays(seqs, rows, self.tables.host,
-                                                   self.kv_spec.block_size, holes or {})
+                                                   self.kv_spec.block_size, holes or {},
+                                                   lora=self.model.lora is not None)
         if meta["max_pos"] >= self.model.rope.max_positions:
             raise ValueError(f"position {meta['max_pos']} is beyond the rotary table "
                              f"({self.model.rope.max_positions})")
-        ids, pos, slots, logits_idx, dec_rows, dec_lens, pre_rows, pre_lens, q_start = \
+        ids, pos, slots, logits_idx, dec_rows, dec_lens, pre_rows, pre_lens, q_start, *lora = \
             stage(arrays, self.device)
         self._fill(ids, fills)
         batch = ForwardBatch(
@@ -328,7 +339,8 @@ class ModelRunner:
             block_tables=self.table_dev, decode_rows=dec_rows, decode_seq_lens=dec_lens,
             decode_max_seq_len=meta["decode_max_seq_len"], prefill_rows=pre_rows,
             prefill_seq_lens=pre_lens, prefill_q_start=q_start,
-            prefill_max_q_len=meta["prefill_max_q_len"], logits_indices=logits_idx)
+            prefill_max_q_len=meta["prefill_max_q_len"], logits_indices=logits_idx,
+            lora_slots=lora[0] if lora else None)
         return batch, sampled
 
     # -- sampling ---------------------------------------------------------------------------

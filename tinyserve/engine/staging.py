@@ -23,27 +23,31 @@ class DecodeStatics:
     """Static decode inputs: one host staging buffer and its device twin, as typed views.
 
     Layout (bytes): int64 [6, cap] (ids, positions, slots, seq lens, table rows, seeds) |
-    int32 [cap] (top_k) | fp32 [2, cap] (temperature, top_p) | int64 [max_updates, 3]
-    (block-table updates). A step copies the prefix up to its last update: one copy.
+    int32 [2, cap] (top_k, LoRA adapter slots) | fp32 [2, cap] (temperature, top_p) |
+    int64 [max_updates, 3] (block-table updates). A step copies the prefix up to its last
+    update: one copy.
     """
 
     def __init__(self, capacity: int, max_updates: int, device: torch.device) -> None:
         cap = -(-capacity // 8) * 8  # keeps every section 8-byte aligned
         self.cap, self.max_updates = cap, max_updates
-        self.upd_offset = 60 * cap
+        self.upd_offset = 64 * cap
         nbytes = self.upd_offset + 24 * max_updates
         self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         h = self.host.numpy()
         self.h_i64 = h[: 48 * cap].view(np.int64).reshape(6, cap)
         self.h_topk = h[48 * cap: 52 * cap].view(np.int32)
-        self.h_f32 = h[52 * cap: 60 * cap].view(np.float32).reshape(2, cap)
+        self.h_lora = h[52 * cap: 56 * cap].view(np.int32)
+        self.h_lora[:] = -1
+        self.h_f32 = h[56 * cap: 64 * cap].view(np.float32).reshape(2, cap)
         self.h_upd = h[self.upd_offset:].view(np.int64).reshape(max_updates, 3)
         d = self.dev
         i64 = d[: 48 * cap].view(torch.int64).view(6, cap)
         self.ids, self.pos, self.slots, self.lens, self.rows, self.seeds = i64.unbind(0)
         self.top_k = d[48 * cap: 52 * cap].view(torch.int32)
-        self.temperature, self.top_p = d[52 * cap: 60 * cap].view(torch.float32).view(2, cap).unbind(0)
+        self.lora_slots = d[52 * cap: 56 * cap].view(torch.int32)
+        self.temperature, self.top_p = d[56 * cap: 64 * cap].view(torch.float32).view(2, cap).unbind(0)
         self.upd = d[self.upd_offset:].view(torch.int64).view(max_updates, 3)
 
         # On a GPU the copy is asynchronous: the host buffer is not written again until the
@@ -59,6 +63,7 @@ class DecodeStatics:
         self.h_i64[2, start:end] = -1
         self.h_i64[3, start:end] = 1
         self.h_i64[4, start:end] = pad_row
+        self.h_lora[start:end] = -1
 
     def writable(self) -> None:
         """Wait until the host buffer may be written (call before staging a step)."""

@@ -140,6 +140,8 @@ def _warm_eager(runner: ModelRunner, dec_lens: tuple[int, ...], pre_lens: tuple[
         prefill_rows=ints([pad] * len(pre_lens)), prefill_seq_lens=ints(pre_lens),
         prefill_q_start=ints(q_start), prefill_max_q_len=max(pre_lens, default=0),
         logits_indices=ints(list(range(len(dec_lens))) + [len(dec_lens) + q - 1
-                                                           for q in q_start[1:]], torch.int64))
+                                                           for q in q_start[1:]], torch.int64),
+        # with adapters, every row on slot 0 (whatever it holds: the outputs are not read)
+        lora_slots=None if runner.model.lora is None else ints([0] * T))
     logits = runner.model.forward(batch, runner.kv_cache)
     sample(logits, *runner.sampling_tensors(logits.shape[0]), 0, all_greedy=True)

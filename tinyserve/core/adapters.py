@@ -1,0 +1,214 @@
+"""LoRA adapters, torch-free: a PEFT directory read and checked against the base model
+(``adapter_config.json`` and the safetensors header, no tensor data), and the registry of
+the adapters a served model has: names, versions, the requests using each.
+
+What a directory may hold (PEFT's names; anything else is refused naming it):
+
+    base_model.model.model.layers.{i}.self_attn.{q,k,v,o,qkv}_proj.lora_{A,B}.weight
+    base_model.model.model.layers.{i}.mlp.{gate,up,down,gate_up}_proj.lora_{A,B}.weight
+
+    A: [r, in]   B: [out, r]   delta W = scale * B A,  scale = alpha / r  (rsLoRA: / sqrt(r))
+
+Refused by name: DoRA, LoRA biases, fan_in_fan_out, modules_to_save, embedding / LM-head
+adapters, per-module rank or alpha patterns, layer replication, and PEFT's other methods.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# module name -> (projection, slice): the slices of the model's fused projections (see
+# engine/model.py): qkv = [q | k | v], gate_up = [gate | up]; None: the whole projection
+MODULES: dict[str, tuple[str, int | None]] = {
+    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "qkv_proj": ("qkv", None),
+    "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
+    "gate_up_proj": ("gate_up", None), "down_proj": ("down", 0)}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                  r"\.lora_([AB])\.weight$")
+# config keys whose non-default value asks for something this server does not do
+_REFUSED = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
+            "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+            "layer_replication": None, "use_qalora": False, "use_bdlora": None,
+            "trainable_token_indices": None, "target_parameters": None,
+            "alora_invocation_tokens": None, "arrow_config": None}
+MAX_ADAPTER_NAME = 128
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """The base model's projection sizes an adapter must fit."""
+
+    num_layers: int
+    hidden: int
+    q_out: int  # num_heads * head_dim
+    kv_out: int  # num_kv_heads * head_dim
+    intermediate: int
+
+    def slices(self, projection: str) -> list[int]:
+        """The output widths of a projection's slices."""
+        return {"qkv": [self.q_out, self.kv_out, self.kv_out], "o": [self.hidden],
+                "gate_up": [self.intermediate, self.intermediate], "down": [self.hidden]}[projection]
+
+    def in_width(self, projection: str) -> int:
+        return {"qkv": self.hidden, "o": self.q_out, "gate_up": self.hidden,
+                "down": self.intermediate}[projection]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """One loaded adapter: where its weights are and what they hold."""
+
+    name: str
+    path: str  # the PEFT directory
+    adapter_id: int  # unique per load: a reloaded name is a new adapter (cache salt, slots)
+    rank: int
+    scale: float  # alpha / r (rsLoRA: alpha / sqrt(r))
+    modules: tuple[str, ...]  # the PEFT module names it targets (q_proj, ...)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Appended to the tenant's: prefix-cache blocks are never shared across adapters or
+        with the base model."""
+        return b"\0lora:%d" % self.adapter_id
+
+
+def read_adapter(path: str | Path, dims: ModelDims, max_rank: int, name: str = "",
+                 adapter_id: int = 0) -> AdapterSpec:
+    """A PEFT LoRA directory checked against the base model; ValueError naming what does not
+    fit (the message is the client's, for load_lora_adapter)."""
+    d = Path(path)
+    cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ValueError(f"{path}: not a PEFT adapter directory (adapter_config.json and "
+                         "adapter_model.safetensors)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: adapter_config.json: {e}") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (LORA is)")
+    for key, default in _REFUSED.items():
+        value = cfg.get(key, default)
+        if value not in (default, None, False, {}, []) and value != default:
+            raise ValueError(f"{path}: {key}={value!r} is not supported")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{path}: r must be a positive integer and lora_alpha a number")
+    if r > max_rank:
+        raise ValueError(f"{path}: rank {r} is more than --max-lora-rank ({max_rank})")
+    header = _safetensors_header(weights)
+    found: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"{path}: tensor {key[:120]!r} is not supported (only the decoder "
+                             f"layers' {', '.join(MODULES)} adapters are)")
+        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        if module not in MODULES:
+            raise ValueError(f"{path}: module {module!r} is not supported")
+        if layer >= dims.num_layers:
+            raise ValueError(f"{path}: layer {layer} is beyond the model's {dims.num_layers}")
+        found.setdefault((layer, module), {})[ab] = list(info.get("shape", ()))
+    if not found:
+        raise ValueError(f"{path}: the adapter holds no LoRA weights")
+    for (layer, module), shapes in found.items():
+        projection, part = MODULES[module]
+        widths = dims.slices(projection)
+        out = sum(widths) if part is None else widths[part]
+        want = {"A": [r, dims.in_width(projection)], "B": [out, r]}
+        for ab in "AB":
+            if shapes.get(ab) != want[ab]:
+                raise ValueError(f"{path}: layer {layer} {module} lora_{ab} has shape "
+                                 f"{shapes.get(ab)}, the model needs {want[ab]}")
+    scale = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    modules = tuple(sorted({module for _, module in found}))
+    return AdapterSpec(name, str(d), adapter_id, r, float(scale), modules)
+
+
+def _safetensors_header(path: Path) -> dict:
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size < 100 << 20:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file")
+    return header
+
+
+class AdapterRegistry:
+    """The adapters served on one base model, by name. The API resolves names and counts the
+    requests using each (an unload waits for them); the batcher's slots take paths from it.
+    Lives on the event loop: one owner, no locks."""
+
+    def __init__(self, base_model: str, dims: ModelDims, max_rank: int) -> None:
+        self.base_model = base_model
+        self.dims, self.max_rank = dims, max_rank
+        self._by_name: dict[str, AdapterSpec] = {}
+        self._unloading: set[str] = set()
+        self.in_use: dict[str, int] = {}  # name -> requests running with it
+        self._ids = itertools.count(1)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name and name not in self._unloading
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def names(self) -> list[str]:
+        return [n for n in self._by_name if n not in self._unloading]
+
+    def get(self, name: str) -> AdapterSpec | None:
+        return None if name in self._unloading else self._by_name.get(name)
+
+    def by_id(self, adapter_id: int) -> AdapterSpec | None:
+        for spec in self._by_name.values():
+            if spec.adapter_id == adapter_id:
+                return spec
+        return None
+
+    def load(self, name: str, path: str) -> AdapterSpec:
+        """Check and register an adapter (ValueError: why not). A name in use is refused:
+        unload it first (no request ever sees a name change its weights)."""
+        if not name or len(name) > MAX_ADAPTER_NAME or not re.fullmatch(r"[\w.:-]+", name):
+            raise ValueError(f"lora_name must be 1-{MAX_ADAPTER_NAME} letters, digits or "
+                             "'_.:-'")
+        if name in self._by_name:
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        spec = read_adapter(path, self.dims, self.max_rank, name, next(self._ids))
+        self._by_name[name] = spec
+        return spec
+
+    def start_unload(self, name: str) -> None:
+        """New requests no longer see it; KeyError if there is no such adapter."""
+        if name not in self._by_name or name in self._unloading:
+            raise KeyError(name)
+        self._unloading.add(name)
+
+    def finish_unload(self, name: str) -> None:
+        self._by_name.pop(name, None)
+        self._unloading.discard(name)
+        self.in_use.pop(name, None)
+
+    def cancel_unload(self, name: str) -> None:
+        self._unloading.discard(name)
+
+    def acquire(self, name: str) -> None:
+        self.in_use[name] = self.in_use.get(name, 0) + 1
+
+    def release(self, name: str) -> None:
+        left = self.in_use.get(name, 0) - 1
+        if left > 0:
+            self.in_use[name] = left
+        else:
+            self.in_use.pop(name, None)
