@@ -89,6 +89,10 @@ def test_replica_load_from_stats_defaults_before_the_first_report():
     ({"messages": "not a list"}, ""),
     ({"prompt": 7}, ""),
     ([1, 2], ""),
+    # a LoRA adapter's blocks are its own: the model keys the prefix too
+    ({"model": "a_qv", "prompt": "Once upon"}, "a_qv\0Once upon"),
+    ({"model": "base", "prompt": "Once upon"}, "base\0Once upon"),
+    ({"model": "a_qv", "prompt": 7}, ""),
 ])
 def test_routing_text(body, text):
     assert routing_text(msgspec.json.encode(body)) == text

@@ -63,14 +63,21 @@ class ReplicaDown(Exception):
 
 
 def routing_text(body: bytes) -> str:
-    """The prompt text of a completion or chat request (what the prefix tree keys on); ""
-    for anything else. Never raises: the replica judges whether the body is valid."""
+    """The prompt text of a completion or chat request, after its ``model`` (what the prefix
+    tree keys on: a LoRA adapter's KV blocks are its own, so the same prompt on two adapters
+    is two prefixes); "" for anything else. Never raises: the replica judges the body."""
     try:
         doc = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return ""
     if not isinstance(doc, dict):
         return ""
+    text = _prompt_text(doc)
+    model = doc.get("model")
+    return f"{model}\0{text}" if text and isinstance(model, str) else text
+
+
+def _prompt_text(doc: dict) -> str:
     prompt = doc.get("prompt")
     if isinstance(prompt, str):
         return prompt
