@@ -1,6 +1,7 @@
 """Host time of one decode step at Llama-3-8B shapes, with every kernel launch stubbed out.
 
     python loadtest/bench_host.py [--batch 1 64] [--context 4096] [--steps 20] [--enforce-eager]
+                                  [--loras 0 8]
 
 It measures our Python - packing the plan into tensors, the launchers' grid math, checks and
 output allocations for 32 layers, sampling's bookkeeping - not Triton's launch path and not
@@ -13,7 +14,9 @@ the GPU's in what they compute per launch.
 Steady-state decode: the first step sends every sequence's blocks, later ones none (as the
 scheduler does between block boundaries). By default a step takes the decode-bucket path
 (padded statics, replay of the recorded launches: what a CUDA graph captures on a GPU);
-``--enforce-eager`` runs every launcher instead.
+``--enforce-eager`` runs every launcher instead. ``--loras N``: an engine with N LoRA slots
+of rank 16 (zeros: never read), the step's rows spread over the N adapters (row i on slot
+i % N; 0: no LoRA at all).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def _stub_launches() -> int:
     return counter
 
 
-def _runner(max_len: int, enforce_eager: bool):
+def _runner(max_len: int, enforce_eager: bool, loras: int = 0):
     import torch
 
     from tinyserve.engine.kv_cache import KVCacheSpec
@@ -75,26 +78,34 @@ def _runner(max_len: int, enforce_eager: bool):
               for _ in range(cfg.num_layers)]
     weights = ModelWeights(empty(V, D), layers, empty(D), Linear(empty(V, D)))
     spec = KVCacheSpec(8, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dt)
-    model = DecoderModel(cfg, weights, rope_tables(cfg, max_len, "cpu"))
+    lora = None
+    if loras:
+        from tinyserve.core.adapters import ModelDims
+        from tinyserve.engine.lora import LoraStacks
+
+        lora = LoraStacks(ModelDims(cfg.num_layers, D, q, kv, I), loras, 16, dt, "cpu")
+    model = DecoderModel(cfg, weights, rope_tables(cfg, max_len, "cpu"), lora=lora)
     return ModelRunner(model, cfg, spec, "cpu", max_num_seqs=64, max_model_len=max_len,
                        enforce_eager=enforce_eager)
 
 
 def run(batches=(1, 64), context: int = 4096, steps: int = 20,
-        enforce_eager: bool = False) -> list[dict]:
+        enforce_eager: bool = False, loras: int = 0) -> list[dict]:
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
     counter = _stub_launches()
-    runner = _runner(context + 16, enforce_eager)
+    runner = _runner(context + 16, enforce_eager, loras)
     blocks = tuple(i % 8 for i in range(-(-(context + 1) // 16)))  # block ids within the pool
     rows = []
     for batch in batches:
         greedy = SamplingParams(max_tokens=16, temperature=0.0)
         ids = range(batch * 1000, batch * 1000 + batch)
-        first = tuple(ScheduledSeq(i, (1000 + i,), context, blocks, True, greedy, i) for i in ids)
+        slot = (lambda i: i % loras) if loras else (lambda i: -1)
+        first = tuple(ScheduledSeq(i, (1000 + i,), context, blocks, True, greedy, i,
+                                   lora_slot=slot(i)) for i in ids)
         runner.execute(StepPlan(0, first))  # first call: imports, caches; all blocks sent
         seqs = tuple(ScheduledSeq(i, (1000 + i,), context, (), True, greedy, i,
-                                  first_block=len(blocks)) for i in ids)
+                                  first_block=len(blocks), lora_slot=slot(i)) for i in ids)
         times = []
         launches0 = counter[0]
         for step in range(steps):
@@ -102,7 +113,7 @@ def run(batches=(1, 64), context: int = 4096, steps: int = 20,
             runner.execute(StepPlan(step + 1, seqs))
             times.append(time.perf_counter() - t0)
         runner.execute(StepPlan(steps + 1, (), freed=tuple(ids)))
-        rows.append({"batch": batch, "context": context, "layers": 32,
+        rows.append({"batch": batch, "context": context, "layers": 32, "loras": loras,
                      "path": "eager" if enforce_eager else "decode bucket",
                      "host_ms_median": round(1000 * statistics.median(times), 2),
                      "host_ms_min": round(1000 * min(times), 2),
@@ -116,9 +127,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--loras", type=int, nargs="+", default=[0])
     args = ap.parse_args()
-    for row in run(args.batch, args.context, args.steps, args.enforce_eager):
-        print(json.dumps(row), flush=True)
+    for loras in args.loras:
+        for row in run(args.batch, args.context, args.steps, args.enforce_eager, loras):
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 from tinyserve import LLM, SamplingParams
 from tinyserve.actors.executor import Executor
 from tinyserve.engine.block_tables import BlockTables
-from tinyserve.engine.runner import decode_buckets
+from tinyserve.engine.buckets import decode_buckets
 from tinyserve.engine.warmup import eager_warm_shapes, warm_up
 from tinyserve.kernels.utils import Recording, recording
 from tinyserve.messages import ScheduledSeq, StepPlan, StepResult

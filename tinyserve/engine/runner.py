@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tinyserve.engine.block_tables import BlockTables
-from tinyserve.engine.graphs import capture
+from tinyserve.engine.buckets import capture, decode_buckets, split_class, split_classes
 from tinyserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from tinyserve.engine.logits_processing import LogitsProcessors
 from tinyserve.engine.lora import HostAdapters
@@ -42,47 +41,19 @@ from tinyserve.engine.model import DecoderModel, ForwardBatch
 from tinyserve.engine.model_config import ModelConfig
 from tinyserve.engine.packing import pack_arrays
 from tinyserve.engine.staging import DecodeStatics, Readback, stage
+from tinyserve.engine.step_outputs import Launched, step_outputs
 from tinyserve.kernels import sample, update_block_table
 from tinyserve.kernels.placeholders import fill_placeholders
-from tinyserve.kernels.utils import Recording, next_pow2, recording
+from tinyserve.kernels.utils import Recording, recording
 from tinyserve.messages import (
     PLACEHOLDER,
-    PromptLogprobs,
     SamplingParams,
     ScheduledSeq,
-    SeqOutput,
     StepPlan,
     StepResult,
 )
 
 log = logging.getLogger(__name__)
-
-
-def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then 2^k and 1.5 * 2^k (at most a third of a bucket is padding), capped."""
-    sizes = {1, 2, 4, 8}
-    p = 16
-    while p < max_num_seqs:
-        sizes |= {p, p * 3 // 2}
-        p *= 2
-    return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step queued on the device: what ``finish`` needs to shape its result."""
-
-    step_id: int
-    t0: float
-    sampled: list[ScheduledSeq] = field(default_factory=list)  # the rows that draw a token
-    masks: np.ndarray | None = None  # their grammar masks (host)
-    failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rows whose grammar failed
-    readback: Readback | None = None  # tokens, logprobs, top ids, top logprobs
-    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
-
-    def ready(self) -> bool:
-        """Its tokens are on the host (``finish`` will not wait)."""
-        return self.readback is None or self.readback.ready
 
 
 class ModelRunner:
@@ -168,7 +139,7 @@ class ModelRunner:
 
     def finish(self, launched: Launched) -> StepResult:
         """Wait for the step's tokens (its one host sync) and shape its result."""
-        outputs = self._outputs(launched) if launched.sampled else ()
+        outputs = step_outputs(launched, self.logits) if launched.sampled else ()
         return StepResult(step_id=launched.step_id, outputs=outputs,
                           seconds=time.perf_counter() - launched.t0,
                           prompt_logprobs=launched.prompt_logprobs)
@@ -250,24 +221,10 @@ class ModelRunner:
         return logits[:n], seqs
 
     def _split_class(self, longest: int) -> int:
-        """The decode length a recording is sized for: the batch's longest sequence rounded up
-        to a power-of-two number of KV splits (capped at max_model_len). A fixed grid must
-        cover the longest; one per power of two keeps short batches off a 128k-sized grid of
-        idle programs, at log2(max_model_len / split) recordings per bucket."""
-        from tinyserve.kernels.attention_decode import default_split_size
-
-        split = default_split_size()
-        return min(next_pow2(-(-longest // split)) * split, self.max_model_len)
+        return split_class(longest, self.max_model_len)
 
     def split_classes(self) -> list[int]:
-        from tinyserve.kernels.attention_decode import default_split_size
-
-        classes, n, split = [], 1, default_split_size()
-        while True:
-            classes.append(min(n * split, self.max_model_len))
-            if n * split >= self.max_model_len:
-                return classes
-            n *= 2
+        return split_classes(self.max_model_len)
 
     def _stage_sampling(self, seqs: list[ScheduledSeq]) -> None:
         n, st = len(seqs), self.statics
@@ -369,33 +326,6 @@ class ModelRunner:
         self._prev = ({s.seq_id: i for i, s in enumerate(seqs)}, tokens)
         return Launched(0, 0.0, seqs, masks, failed,
                         Readback([tokens, logprobs, top_ids, top_lps]))
-
-    def _outputs(self, launched: Launched) -> tuple[SeqOutput, ...]:
-        seqs, masks = launched.sampled, launched.masks
-        tokens, logprobs, top_ids, top_lps = launched.readback.wait()
-        tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
-        # A row whose constraints leave nothing drew a banned token: it ends instead, with
-        # EOS where the request allows it, else with an error (never the banned token).
-        ends = self.logits.dead_ends(seqs, masks, launched.failed)
-        for i, end in ends.items():
-            tokens_l[i] = end if isinstance(end, int) else -1
-        if masks is not None:
-            self.logits.advance(seqs, tokens_l)
-        tops = None if top_ids is None else list(zip(top_ids.tolist(), top_lps.tolist(),
-                                                     strict=True))
-        out = []
-        for i, s in enumerate(seqs):
-            p = s.params
-            end = ends.get(i)
-            if end is not None and not isinstance(end, int):
-                out.append(SeqOutput(s.seq_id, -1, 0.0, error=end[1], error_reason=end[0]))
-                continue
-            top = None if p.logprobs is None else ()
-            if tops is not None and p.logprobs is not None:
-                ids, lps = tops[i]
-                top = tuple(zip(ids[: p.logprobs], lps[: p.logprobs], strict=True))
-            out.append(SeqOutput(s.seq_id, tokens_l[i], lps_l[i], top))
-        return tuple(out)
 
     def sampling_tensors(self, n: int, seqs: list[ScheduledSeq] | None = None
                          ) -> tuple[torch.Tensor, ...]:

@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode buckets' recordings, captured together.
+"""Decode buckets: their sizes, the KV lengths a recording is sized for, and their CUDA graphs,
+captured together.
 
 ``torch.cuda.graph`` synchronizes, collects garbage and empties the allocator's cache for
 every graph it captures (45 to 81 buckets x split classes: seconds of it), and captures in
@@ -13,6 +14,42 @@ import gc
 import time
 
 import torch
+
+from tinyserve.kernels.utils import next_pow2
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then 2^k and 1.5 * 2^k (at most a third of a bucket is padding), capped."""
+    sizes = {1, 2, 4, 8}
+    p = 16
+    while p < max_num_seqs:
+        sizes |= {p, p * 3 // 2}
+        p *= 2
+    return tuple(sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs}))
+
+
+
+def split_class(longest: int, max_model_len: int) -> int:
+    """The decode length a recording is sized for: the batch's longest sequence rounded up
+    to a power-of-two number of KV splits (capped at max_model_len). A fixed grid must
+    cover the longest; one per power of two keeps short batches off a 128k-sized grid of
+    idle programs, at log2(max_model_len / split) recordings per bucket."""
+    from tinyserve.kernels.attention_decode import default_split_size
+
+    split = default_split_size()
+    return min(next_pow2(-(-longest // split)) * split, max_model_len)
+
+
+def split_classes(max_model_len: int) -> list[int]:
+    """Every split class up to max_model_len (what the warm-up records)."""
+    from tinyserve.kernels.attention_decode import default_split_size
+
+    classes, n, split = [], 1, default_split_size()
+    while True:
+        classes.append(min(n * split, max_model_len))
+        if n * split >= max_model_len:
+            return classes
+        n *= 2
 
 
 def capture(recorded: dict, device: torch.device, pool) -> dict:
