@@ -30,13 +30,13 @@ HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds",
               "request_prompt_tokens", "request_generation_tokens", "request_params_n",
               "request_params_max_tokens", "iteration_tokens_total"}
 GAUGES = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-          "degradation_level", "slo_limit"}
+          "degradation_level", "slo_limit", "lora_requests_info"}
 INFOS = {"cache_config"}  # exported as cache_config_info
 COUNTERS = {"prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
             "prompt_tokens_computed", "num_preemptions", "request_success", "request_errors",
             "request_goodput", "admission_rejections", "fallback_requests",
             "metrics_events_dropped", "api_requests",
-            "constraint_failures"}  # exported with _total
+            "constraint_failures", "lora_requests", "lora_loads"}  # exported with _total
 
 METRIC_TOKEN = re.compile(r"tinyserve:[a-zA-Z0-9_:]+")
 
