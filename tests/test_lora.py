@@ -146,3 +146,24 @@ def test_an_adapter_for_another_model_or_of_the_embedding_is_refused(llama, tmp_
     emb.save_pretrained(tmp_path / "emb")
     with pytest.raises(ValueError, match="embed_tokens"):
         read_adapter(tmp_path / "emb", _dims(), 16)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_adapters_compose_with_chunked_prefill_preemption_and_the_int8_kv_cache(llama, kv):
+    """The same adapters' tokens whether prompts are prefilled whole or in 7-token chunks in a
+    pool so small that sequences are preempted and recomputed (over the int8 KV cache too)."""
+    paths = llama
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (19, 23, 13, 21)]
+    loras = requests(paths)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(paths["base"]), dtype="float32", max_loras=2, max_lora_rank=16,
+                kv_cache_dtype=kv)
+    want = [o.token_ids for o in plain.generate(prompts, params, lora_request=loras)]
+    tight = LLM(str(paths["base"]), dtype="float32", max_loras=2, max_lora_rank=16,
+                kv_cache_dtype=kv, max_num_batched_tokens=7, num_kv_blocks=5, block_size=8,
+                max_model_len=32)
+    got = [o.token_ids for o in tight.generate(prompts, params, lora_request=loras)]
+    assert got == want
+    assert tight.core.scheduler.num_preemptions > 0
+    assert tight.core.kv.pool.usage == 0.0 and tight.core.scheduler.lora_slots.held == set()
