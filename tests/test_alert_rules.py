@@ -30,13 +30,15 @@ HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds",
               "request_prompt_tokens", "request_generation_tokens", "request_params_n",
               "request_params_max_tokens", "iteration_tokens_total"}
 GAUGES = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-          "degradation_level", "slo_limit", "lora_requests_info"}
+          "degradation_level", "slo_limit"}
+LORA_GAUGES = {"lora_requests_info"}  # only where a model serves LoRA adapters
 INFOS = {"cache_config"}  # exported as cache_config_info
 COUNTERS = {"prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
             "prompt_tokens_computed", "num_preemptions", "request_success", "request_errors",
             "request_goodput", "admission_rejections", "fallback_requests",
             "metrics_events_dropped", "api_requests",
-            "constraint_failures", "lora_requests", "lora_loads"}  # exported with _total
+            "constraint_failures"}  # exported with _total
+LORA_COUNTERS = {"lora_requests", "lora_loads"}
 
 METRIC_TOKEN = re.compile(r"tinyserve:[a-zA-Z0-9_:]+")
 
@@ -44,9 +46,9 @@ METRIC_TOKEN = re.compile(r"tinyserve:[a-zA-Z0-9_:]+")
 def exported_names() -> set[str]:
     """Every series name the server can expose: histogram suffixes only on histograms,
     _total only on counters, _info only on the info."""
-    names = {P + g for g in GAUGES}
+    names = {P + g for g in GAUGES | LORA_GAUGES}
     names |= {P + h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
-    names |= {P + c + "_total" for c in COUNTERS}
+    names |= {P + c + "_total" for c in COUNTERS | LORA_COUNTERS}
     names |= {P + i + "_info" for i in INFOS}
     return names
 
@@ -181,6 +183,9 @@ def test_exported_list_matches_the_server() -> None:
     expected = {(P + n, kind) for kind, names in kinds.items() for n in names}
     got = {(f.name, f.type) for f in Metrics(64, 64).registry.collect()}
     assert got == expected
+    lora = {(P + n, "gauge") for n in LORA_GAUGES} | {(P + n, "counter") for n in LORA_COUNTERS}
+    got = {(f.name, f.type) for f in Metrics(64, 64, lora=True).registry.collect()}
+    assert got == expected | lora
 
 
 def test_anchor() -> None:

@@ -139,7 +139,8 @@ class Server:
         infos = {name: e.info for name, e in engines.items()}
         self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
                                max(m.engine.max_num_batched_tokens for m in self.models),
-                               namespace=self.cfg.metrics_namespace)
+                               namespace=self.cfg.metrics_namespace,
+                               lora=any(getattr(i, "max_loras", 0) for i in infos.values()))
         self.executor = Executor({name: e.runner for name, e in engines.items()})
         lanes = []
         for spec in self.models:

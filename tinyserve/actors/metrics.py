@@ -64,7 +64,7 @@ def iteration_buckets(max_tokens: int) -> list[int]:
 
 class Metrics:
     def __init__(self, max_model_len: int, max_num_batched_tokens: int, inbox_size: int = 10_000,
-                 namespace: str = "tinyserve"):
+                 namespace: str = "tinyserve", lora: bool = False):
         if namespace not in METRICS_NAMESPACES:
             raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
                              f"got {namespace!r}")
@@ -134,14 +134,17 @@ class Metrics:
                                          "Prompt tokens run through the model (prefix-cache "
                                          "hits excluded, recomputes after preemption included)")
         self.preemptions = per_model(C, "num_preemptions", "Sequences preempted")
-        # vLLM's: a sample whose labels list the adapters running and waiting (its value: when)
-        self.lora_info = Gauge(p + "lora_requests_info", "Running stats on LoRA requests",
-                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-                               registry=r)
-        self.lora_requests = per_model(C, "lora_requests", "Requests finished, by the LoRA "
-                                       "adapter they ran with", "lora_name")
-        self.lora_loads = per_model(C, "lora_loads", "LoRA adapters copied into a device slot "
-                                    "(the first load and every swap after)")
+        # LoRA (only where a model serves adapters: no empty families otherwise). vLLM's
+        # lora_requests_info: one sample whose labels list the adapters running and waiting
+        self.lora_info = self.lora_requests = self.lora_loads = None
+        if lora:
+            self.lora_info = Gauge(p + "lora_requests_info", "Running stats on LoRA requests",
+                                   ["max_lora", "waiting_lora_adapters",
+                                    "running_lora_adapters"], registry=r)
+            self.lora_requests = per_model(C, "lora_requests", "Requests finished, by the "
+                                           "LoRA adapter they ran with", "lora_name")
+            self.lora_loads = per_model(C, "lora_loads", "LoRA adapters copied into a device "
+                                        "slot (the first load and every swap after)")
         self.degradation = per_model(G, "degradation_level",
                                      "0 normal; 1 shedding the lowest priority; 2 and capping "
                                      "degradable tenants; 3 only the highest priority")
@@ -252,7 +255,7 @@ class Metrics:
         self._advance(self.prompt_computed, m, "prompt_tokens_computed", ev.prompt_tokens_computed)
         self._advance(self.prefix_queries, m, "prefix_queries", ev.prefix_queries)
         self._advance(self.prefix_hits, m, "prefix_hits", ev.prefix_hits)
-        if ev.lora is not None:
+        if ev.lora is not None and self.lora_info is not None:
             running, waiting, max_lora, loads = ev.lora
             self.lora_info.clear()  # one sample: the state now
             self.lora_info.labels(str(max_lora), ",".join(waiting), ",".join(running)).set(
@@ -262,7 +265,7 @@ class Metrics:
     def _finished(self, ev: RequestFinished) -> None:
         m = ev.model
         self.success.labels(m, m, ev.finish_reason).inc()
-        if ev.adapter:
+        if ev.adapter and self.lora_requests is not None:
             self.lora_requests.labels(m, m, ev.adapter).inc()
         if ev.within_slo:
             self.goodput.labels(m, m, ev.tenant).inc()

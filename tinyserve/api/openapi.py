@@ -21,8 +21,10 @@ from tinyserve.api.request_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraRequest,
     RouteUpdate,
     TokenizeRequest,
+    UnloadLoraRequest,
 )
 from tinyserve.api.response_types import (
     ChatCompletionChunk,
@@ -39,7 +41,7 @@ _TYPES = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, Co
           CompletionResponse, ModelList, ModelCard, ErrorResponse, RouteUpdate, TokenizeRequest,
           TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
           MessagesRequest, MessageResponse, CountTokensRequest, TokenCount, AnthropicError,
-          ResponsesRequest)
+          ResponsesRequest, LoadLoraRequest, UnloadLoraRequest)
 _RESPONSE = {"type": "object", "description": "OpenAI's Response object (id, object: "
              "response, status, output items, usage, ...)"}
 _RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True,
@@ -146,6 +148,18 @@ def openapi_spec(version: str) -> dict[str, Any]:
                              "application/json": {"schema": _ref(RouteUpdate)}}},
                          "responses": {"200": {"description": "the new route table"},
                                        **_errors(400, 401, 403, 404, 413, 415)}}},
+            "/v1/load_lora_adapter": {"post": {
+                "summary": "Serve a PEFT LoRA directory as a model name (admin tenants; vLLM's)",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref(LoadLoraRequest)}}},
+                "responses": {"200": {"description": "loaded"},
+                              **_errors(400, 401, 403, 404, 413, 415)}}},
+            "/v1/unload_lora_adapter": {"post": {
+                "summary": "Stop serving an adapter once no request uses it (admin tenants)",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref(UnloadLoraRequest)}}},
+                "responses": {"200": {"description": "unloaded"},
+                              **_errors(400, 401, 403, 404, 409, 413, 415)}}},
             "/health": probe,
             "/ready": probe,
         },

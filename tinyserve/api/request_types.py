@@ -125,3 +125,19 @@ class RouteUpdate(msgspec.Struct, forbid_unknown_fields=True):
 
     alias: str
     weights: dict[str, float]
+
+
+class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``POST /v1/load_lora_adapter``: serve a PEFT directory as a model name."""
+
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None  # several served models: which one it adapts
+    load_inplace: bool = False  # vLLM's; replacing a loaded adapter's weights is refused
+
+
+class UnloadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; unused
