@@ -5,6 +5,7 @@ recorded once and replayed: see ``Recording``)."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -87,7 +88,13 @@ class Recording:
             run(*args, **meta)
 
 
-_active: Recording | None = None
+class _Active(threading.local):
+    # Per thread: two runners on two threads (two servers in one process, a test's
+    # reference engine beside a server's) must not record each other's launches
+    rec: Recording | None = None
+
+
+_active = _Active()
 
 
 class recording:  # noqa: N801 - a context manager, used like a function
@@ -97,25 +104,23 @@ class recording:  # noqa: N801 - a context manager, used like a function
         self.rec = rec
 
     def __enter__(self) -> Recording:
-        global _active
-        check(_active is None, "a recording is already active")
-        _active = self.rec
+        check(_active.rec is None, "a recording is already active")
+        _active.rec = self.rec
         return self.rec
 
     def __exit__(self, *exc) -> None:
-        global _active
-        _active = None
+        _active.rec = None
 
 
 def phase(name: str) -> None:
     """Mark the start of a phase of the forward pass (see ``Recording``); free otherwise."""
-    if _active is not None:
-        _active.phase(name)
+    if (rec := _active.rec) is not None:
+        rec.phase(name)
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if _active is not None:
-        return _active.empty(shape, dtype, device)
+    if (rec := _active.rec) is not None:
+        return rec.empty(shape, dtype, device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -124,5 +129,5 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     meta["grid"] = grid
     meta["warmup"] = False
     kernel.run(*args, **meta)
-    if _active is not None:
-        _active.launches.append((kernel.run, args, meta))
+    if (rec := _active.rec) is not None:
+        rec.launches.append((kernel.run, args, meta))
