@@ -39,6 +39,8 @@ COUNTERS = {"prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefi
             "metrics_events_dropped", "api_requests",
             "constraint_failures"}  # exported with _total
 LORA_COUNTERS = {"lora_requests", "lora_loads"}
+SPEC_COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",  # with speculation
+                 "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"}
 
 METRIC_TOKEN = re.compile(r"tinyserve:[a-zA-Z0-9_:]+")
 
@@ -48,7 +50,7 @@ def exported_names() -> set[str]:
     _total only on counters, _info only on the info."""
     names = {P + g for g in GAUGES | LORA_GAUGES}
     names |= {P + h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
-    names |= {P + c + "_total" for c in COUNTERS | LORA_COUNTERS}
+    names |= {P + c + "_total" for c in COUNTERS | LORA_COUNTERS | SPEC_COUNTERS}
     names |= {P + i + "_info" for i in INFOS}
     return names
 
@@ -186,6 +188,9 @@ def test_exported_list_matches_the_server() -> None:
     lora = {(P + n, "gauge") for n in LORA_GAUGES} | {(P + n, "counter") for n in LORA_COUNTERS}
     got = {(f.name, f.type) for f in Metrics(64, 64, lora=True).registry.collect()}
     assert got == expected | lora
+    spec = {(P + n, "counter") for n in SPEC_COUNTERS}
+    got = {(f.name, f.type) for f in Metrics(64, 64, speculation=True).registry.collect()}
+    assert got == expected | spec
 
 
 def test_anchor() -> None:

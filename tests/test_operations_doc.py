@@ -72,11 +72,12 @@ def server_flags() -> set[str]:
 
 
 def exported_metrics() -> set[str]:
-    """Every name the server's registry can expose, as PromQL sees it."""
+    """Every name the server's registry can expose, as PromQL sees it (the optional LoRA and
+    speculation families included)."""
     from tinyserve.actors.metrics import Metrics
 
     names = set()
-    for family in Metrics(64, 64, lora=True).registry.collect():
+    for family in Metrics(64, 64, lora=True, speculation=True).registry.collect():
         name, kind = family.name, family.type
         if kind == "counter":
             names.add(name + "_total")

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinyserve.core.speculation import SpeculativeConfig
+
 BUNDLED = "stories260k"  # as a model directory: the model inside the package (if no such dir)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "int8", "int4")
@@ -54,6 +56,8 @@ class EngineConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (core/speculation.py): None, or how to propose and when
+    speculative: SpeculativeConfig | None = None
     # Several models in one process (build_models sets these): this model's share of the KV
     # budget; sized from free GPU memory, the share of what is free when it loads that it
     # takes, and the bytes to leave for the weights of the models loaded after it.

@@ -41,6 +41,7 @@ from tinyserve.sampling_params import (  # noqa: F401  (what requests carry)
 
 
 PLACEHOLDER = -1  # a token sampled by the model's previous step, not known when planned
+DRAFT = -2  # a draft token the runner's draft model proposes (speculation, draft_model)
 
 
 class ScheduledSeq(msgspec.Struct, frozen=True):
@@ -71,6 +72,17 @@ class ScheduledSeq(msgspec.Struct, frozen=True):
     # position, while the next token is still the prompt's): their logprobs are wanted.
     prompt_targets: tuple[int, ...] = ()
     lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model)
+    # Speculation (core/speculation.py): token_ids are the last token and num_drafts proposed
+    # tokens, and a token is drawn at every position: row 0 with ``seed`` and ``banned``,
+    # row i with spec_seeds[i - 1] and spec_banned[i - 1] (the history through draft i)
+    num_drafts: int = 0
+    spec_seeds: tuple[int, ...] = ()
+    spec_banned: tuple[tuple[int, ...], ...] = ()
+    spec_row: int = 0  # the runner's rows of one verify (0: the sequence's own entry)
+    # draft_model: the drafts are DRAFT until the runner's draft model proposes them; its
+    # cache is valid below draft_from, and draft_prefix are the tokens from there to the last
+    draft_from: int = 0
+    draft_prefix: tuple[int, ...] = ()
 
 
 class LoraLoad(msgspec.Struct, frozen=True):
@@ -105,6 +117,9 @@ class SeqOutput(msgspec.Struct, frozen=True):
     # token_id means nothing. error_reason: ConstraintFailed.reason.
     error: str | None = None
     error_reason: str = "grammar"
+    # A verify step's further tokens (the accepted drafts' draws, then the correction or the
+    # bonus): (token, logprob, top logprobs) each, after token_id
+    more: tuple[tuple[int, float, tuple[tuple[int, float], ...] | None], ...] = ()
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True):
@@ -235,6 +250,9 @@ class StepStats(msgspec.Struct, frozen=True, tag=True):
     model: str = ""
     # LoRA (only where the model serves adapters): vLLM's lora_requests_info, and the loads
     lora: tuple[tuple[str, ...], tuple[str, ...], int, int] | None = None  # running, waiting, max, loads
+    # Speculation totals (None: not configured): verify steps, draft tokens, accepted ones,
+    # and accepted by draft position
+    spec: tuple[int, int, int, tuple[int, ...]] | None = None
 
 
 class RequestFinished(msgspec.Struct, frozen=True, tag=True):

@@ -140,7 +140,8 @@ class Server:
         self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
                                max(m.engine.max_num_batched_tokens for m in self.models),
                                namespace=self.cfg.metrics_namespace,
-                               lora=any(getattr(i, "max_loras", 0) for i in infos.values()))
+                               lora=any(getattr(i, "max_loras", 0) for i in infos.values()),
+                               speculation=any(getattr(i, "speculative", None) for i in infos.values()))
         self.executor = Executor({name: e.runner for name, e in engines.items()})
         lanes = []
         for spec in self.models:
@@ -152,7 +153,10 @@ class Server:
             slo = SloController(_seconds(self.cfg.slo_ttft_ms), _seconds(self.cfg.slo_itl_ms),
                                 capacity)
             batcher = Batcher(core, self.executor.inbox, self.metrics, capacity,
-                              self.cfg.batch_timeout_ms, slo, spec.name, self.cfg.overlap,
+                              self.cfg.batch_timeout_ms, slo, spec.name,
+                              # a verify's accepted count is what its next step starts from:
+                              # with speculation each step is planned once the last returned
+                              self.cfg.overlap and getattr(info, "speculative", None) is None,
                               self.cfg.stream_interval)
             self.batchers[spec.name] = batcher
             self.executor.outboxes[spec.name] = batcher.inbox

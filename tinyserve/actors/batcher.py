@@ -266,14 +266,15 @@ class Batcher:
                 self._end(req, None)
                 continue
             times = req.token_times
+            new = max(req.seq.num_new, 1)  # (a verify's several tokens arrive together)
             if not req.internal:
                 if times:
-                    self.slo.observe(itls=(now - times[-1],))
+                    self.slo.observe(itls=(now - times[-1],) + (0.0,) * (new - 1))
                 else:
                     self.slo.observe(ttft=now - req.arrival_time)
                     tokens += req.seq.num_prompt_tokens
-                tokens += 1
-            times.append(now)
+                tokens += new
+            times.extend((now,) * new)
             if req.request_id in self._after:  # its prompt is in the prefix cache now
                 self._release_after(req.request_id)
             seq = req.seq
@@ -366,7 +367,8 @@ class Batcher:
             prompt_tokens_computed=sched.num_prompt_tokens_computed,
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             slo_limit=self.slo.limit if self.slo.enabled else 0,
-            degradation_level=self.slo.level, model=self.model, lora=self._lora_stats()))
+            degradation_level=self.slo.level, model=self.model, lora=self._lora_stats(),
+            spec=None if sched.spec is None else sched.spec.totals))
 
     def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...], int, int] | None:
         """(adapters running, adapters waiting, slots, loads so far); None without adapters.

@@ -64,7 +64,7 @@ def iteration_buckets(max_tokens: int) -> list[int]:
 
 class Metrics:
     def __init__(self, max_model_len: int, max_num_batched_tokens: int, inbox_size: int = 10_000,
-                 namespace: str = "tinyserve", lora: bool = False):
+                 namespace: str = "tinyserve", lora: bool = False, speculation: bool = False):
         if namespace not in METRICS_NAMESPACES:
             raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
                              f"got {namespace!r}")
@@ -134,6 +134,16 @@ class Metrics:
                                          "Prompt tokens run through the model (prefix-cache "
                                          "hits excluded, recomputes after preemption included)")
         self.preemptions = per_model(C, "num_preemptions", "Sequences preempted")
+        # Speculative decoding (only where configured), vLLM's names
+        self.spec = None
+        if speculation:
+            self.spec = (
+                per_model(C, "spec_decode_num_drafts", "Verify steps (a speculating sequence's "
+                          "drafts checked in one forward pass)"),
+                per_model(C, "spec_decode_num_draft_tokens", "Draft tokens proposed"),
+                per_model(C, "spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+                per_model(C, "spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                          "accepted, by their position in the draft", "position"))
         # LoRA (only where a model serves adapters: no empty families otherwise). vLLM's
         # lora_requests_info: one sample whose labels list the adapters running and waiting
         self.lora_info = self.lora_requests = self.lora_loads = None
@@ -255,6 +265,18 @@ class Metrics:
         self._advance(self.prompt_computed, m, "prompt_tokens_computed", ev.prompt_tokens_computed)
         self._advance(self.prefix_queries, m, "prefix_queries", ev.prefix_queries)
         self._advance(self.prefix_hits, m, "prefix_hits", ev.prefix_hits)
+        if ev.spec is not None and self.spec is not None:
+            drafts, tokens, accepted, at = ev.spec
+            c_drafts, c_tokens, c_accepted, c_pos = self.spec
+            self._advance(c_drafts, m, "spec_drafts", drafts)
+            self._advance(c_tokens, m, "spec_draft_tokens", tokens)
+            self._advance(c_accepted, m, "spec_accepted", accepted)
+            for pos, n in enumerate(at):
+                key = f"spec_at_{pos}"
+                last = self._totals.get((m, key), 0)
+                if n > last:
+                    c_pos.labels(m, m, str(pos)).inc(n - last)
+                    self._totals[m, key] = n
         if ev.lora is not None and self.lora_info is not None:
             running, waiting, max_lora, loads = ev.lora
             self.lora_info.clear()  # one sample: the state now

@@ -17,6 +17,7 @@ from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.request import Request
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.sequence import Sequence
+from tinyserve.core.speculation import SpeculativeConfig
 from tinyserve.messages import (
     FULL_VOCAB,
     MAX_LOGPROBS,
@@ -46,6 +47,7 @@ class CoreConfig:
     seed: int = 0
     kv_window: int | None = None  # every layer's sliding window: older blocks are given back
     max_loras: int = 0  # LoRA adapter slots on the device (0: no adapters)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     @classmethod
     def from_engine(cls, cfg: EngineConfig, info: Any) -> CoreConfig:
@@ -56,7 +58,9 @@ class CoreConfig:
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids,
                    enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed,
-                   kv_window=info.kv_window, max_loras=getattr(info, "max_loras", 0))
+                   kv_window=info.kv_window, max_loras=getattr(info, "max_loras", 0),
+                   # the engine's: a draft model is loaded by it, whatever cfg says
+                   speculative=getattr(info, "speculative", None))
 
 
 class EngineCore:
@@ -67,7 +71,7 @@ class EngineCore:
                                  cfg.enable_prefix_caching, cfg.kv_window)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                                    cfg.max_model_len, cfg.eos_token_ids,
-                                                   cfg.max_loras), self.kv)
+                                                   cfg.max_loras, cfg.speculative), self.kv)
         self._rng = random.Random(cfg.seed)
         self.requests: dict[int, Request] = {}  # by the server's id (= the sequence's id)
 
@@ -128,15 +132,32 @@ class EngineCore:
         updated = []
         for seq in self.scheduler.update(plan, result):
             req = self.requests[seq.seq_id]
-            # A stop token (EOS, stop_token_ids) ends the text without appearing in it, as
-            # in vLLM; it still counts as a completion token.
-            if seq.finish_reason != "error" and not (seq.finish_reason == "stop"
-                                                     and self._stop_token(seq)):
-                req.detok.add(seq.token_ids[-1])
-                if req.detok.stopped and not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")
+            if seq.finish_reason != "error":
+                self._detokenize(seq, req)
             updated.append(req)
         return updated
+
+    def _detokenize(self, seq: Sequence, req: Request) -> None:
+        """The step's new tokens (one, or a verify's several) into the text. A stop token
+        (EOS, stop_token_ids) ends the text without appearing in it, as in vLLM; it still
+        counts as a completion token. A stop string ends it where it matches: a verify's
+        tokens after that one are dropped, as plain decoding would never have drawn them."""
+        new = seq.token_ids[len(seq.token_ids) - seq.num_new:]
+        for i, token in enumerate(new):
+            if i == len(new) - 1 and seq.finish_reason == "stop" and self._stop_token(seq):
+                return
+            req.detok.add(token)
+            if req.detok.stopped:
+                extra = len(new) - 1 - i
+                if extra:  # (they would never have been drawn: whatever ended the
+                    del seq.token_ids[-extra:]  # sequence at the last of them did not)
+                    if seq.params.logprobs is not None:
+                        del seq.logprobs[-extra:]
+                    seq.num_new -= extra
+                    seq.finish_reason = seq.finish_reason and "stop"
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+                return
 
 
 # -- the vocabulary rules: here only (the API runs them too, before it answers 200) ----------

@@ -34,13 +34,13 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-import msgspec
-
 from tinyserve.config import min_kv_blocks
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.lora_slots import LoraSlots
-from tinyserve.core.sequence import SeqStatus, Sequence, mix_seed
-from tinyserve.messages import PLACEHOLDER, FieldError, ScheduledSeq, StepPlan, StepResult
+from tinyserve.core.plan_entries import plan_entry, verify_entry
+from tinyserve.core.sequence import SeqStatus, Sequence
+from tinyserve.core.speculation import SpeculativeConfig, Speculator
+from tinyserve.messages import FieldError, ScheduledSeq, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
     max_loras: int = 0  # LoRA adapters on the device at once (0: none served)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -88,6 +89,7 @@ class Scheduler:
         self.served: dict[str, int] = {}  # tenant -> tokens scheduled for it (virtual counter)
         self._active: Counter[str] = Counter()  # tenant -> its unfinished sequences
         self.lora_slots = LoraSlots(cfg.max_loras) if cfg.max_loras else None
+        self.spec = None if cfg.speculative is None else Speculator(cfg.speculative)
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -146,6 +148,9 @@ class Scheduler:
                and self.waiting[0].priority > self.running[-1].priority):
             self._preempt(self.running.pop())  # make room for a higher priority
 
+        drafts: dict[int, tuple[int, ...]] = {}  # speculating sequences' proposals
+        may_speculate = self.spec is not None and len(self.running) <= \
+            self.spec.cfg.disable_by_batch_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -153,6 +158,10 @@ class Scheduler:
             if n <= 0:  # all of it is in flight, or the step in flight is its last
                 i += 1
                 continue
+            if n == 1 and may_speculate and (d := self.spec.propose(
+                    seq, budget, self.cfg.max_model_len)):
+                drafts[seq.seq_id] = d
+                n += len(d)
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()  # the lowest priority, newest
                 self._preempt(victim)
@@ -203,7 +212,7 @@ class Scheduler:
         if not chosen:
             return None
         self._step_id += 1
-        seqs = tuple(self._plan_entry(s, n) for s, n in chosen)
+        seqs = tuple(self._plan_entry(s, n, drafts.get(s.seq_id, ())) for s, n in chosen)
         freed, self._freed = tuple(self._freed), []
         loads = self.lora_slots.take_loads() if self.lora_slots is not None else ()
         return StepPlan(step_id=self._step_id, seqs=seqs, freed=freed, lora_loads=loads)
@@ -246,57 +255,23 @@ class Scheduler:
     def _to_compute(self, seq: Sequence) -> int:
         """Tokens a running sequence still needs computed, beyond those in flight; 0 when the
         steps in flight will already finish it by length (max_tokens, max_model_len)."""
+        if seq.verifying:  # how far it gets is known only when the verify returns
+            return 0
         total = len(seq.token_ids) + seq.num_pending
         if seq.num_pending and (total - len(seq.prompt_token_ids) >= seq.params.max_tokens
                                 or total >= self.cfg.max_model_len):
             return 0
         return total - seq.num_computed_tokens - seq.num_inflight
 
-    def _plan_entry(self, seq: Sequence, n: int) -> ScheduledSeq:
-        # (per sequence per step: attribute reads hoisted, positional construction)
+    def _plan_entry(self, seq: Sequence, n: int, drafts: tuple[int, ...] = ()) -> ScheduledSeq:
+        """Its share of the step (plan_entries.py), and what the step counts for it."""
         start = seq.num_computed_tokens + seq.num_inflight
-        end = start + n
         self.served[seq.tenant] += n
-        num_prompt = len(seq.prompt_token_ids)
-        if start < num_prompt:
-            self.num_prompt_tokens_computed += min(end, num_prompt) - start
-        token_ids, pending = seq.token_ids, seq.num_pending
-        known = tuple(token_ids[start:end])
-        sample = end == len(token_ids) + pending
-        first = seq.blocks_sent  # the runner keeps the table: send only blocks it lacks
-        block_ids = seq.block_ids
-        p = seq.params
-        entry = ScheduledSeq(
-            seq.seq_id, known if len(known) == n else known + (PLACEHOLDER,) * (n - len(known)),
-            start, tuple(block_ids[first:]) if first < len(block_ids) else (), sample, p,
-            mix_seed(seq.seed, len(token_ids) - num_prompt + pending), seq.num_preemptions,
-            first, lora_slot=seq.lora_slot)
-        if sample and p.needs_history:
-            entry = self._with_history(entry, seq)
-        last = seq.num_prompt_tokens - 1  # the last position whose next token is the prompt's
-        if seq.params.prompt_logprobs is not None and len(seq.prompt_lps) < last and start < last:
-            entry = msgspec.structs.replace(
-                entry, prompt_targets=seq.prompt_token_ids[start + 1:min(end, last) + 1])
-        seq.blocks_sent = len(block_ids)
-        seq.num_inflight += n
-        seq.num_pending = pending + sample
-        return entry
-
-    def _with_history(self, entry: ScheduledSeq, seq: Sequence) -> ScheduledSeq:
-        """What the runner needs to process this draw's logits: O(output) per step, paid
-        only by requests that ask for penalties, logit_bias, min_tokens or a grammar."""
-        p = seq.params
-        drawn = seq.num_output_tokens + seq.num_pending
-        banned: tuple[int, ...] = ()
-        # vLLM: no stop token before min_tokens; a grammar wins (once it is complete only
-        # EOS is allowed, and a ban on top would leave nothing to draw)
-        if drawn < p.min_tokens and p.guided is None:
-            eos = () if p.ignore_eos else tuple(self.cfg.eos_token_ids)
-            banned = tuple(sorted(set(p.stop_token_ids) | set(eos)))
-        return msgspec.structs.replace(
-            entry, output_ids=tuple(seq.output_token_ids) + (PLACEHOLDER,) * seq.num_pending,
-            prompt_ids=seq.prompt_token_ids if p.repetition_penalty != 1.0 else None,
-            banned=banned)
+        if not drafts and start < len(seq.prompt_token_ids):
+            self.num_prompt_tokens_computed += min(start + n, len(seq.prompt_token_ids)) - start
+        if drafts:
+            return verify_entry(seq, drafts, self.cfg.eos_token_ids)
+        return plan_entry(seq, n, self.cfg.eos_token_ids)
 
     def _release(self, seq: Sequence) -> None:
         """Free the sequence's blocks (and its adapter slot); the runner drops its block-table
@@ -310,6 +285,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.num_inflight = seq.num_pending = 0  # (results of steps in flight are now stale)
+        seq.draft_len, seq.verifying = 0, False  # (its blocks, the draft's too, are gone)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -324,6 +300,7 @@ class Scheduler:
         they were planned.
         """
         live: dict[int, Sequence] = {}
+        verifies: dict[int, ScheduledSeq] = {}
         updated = []
         prompt_lps = {pl.seq_id: pl for pl in result.prompt_logprobs}
         for s in plan.seqs:
@@ -331,12 +308,19 @@ class Scheduler:
             if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_preemptions != \
                     s.epoch or seq.num_computed_tokens != s.start_pos:
                 continue
+            seq.num_new = 0
             if result.error is not None:  # the step's KV writes are suspect: end, don't retry
                 self.finish(seq, "error")
                 updated.append(seq)
                 continue
-            seq.num_computed_tokens += len(s.token_ids)
             seq.num_inflight -= len(s.token_ids)
+            if s.num_drafts:  # a verify: computed as far as its draws agree (below)
+                seq.verifying = False
+                verifies[seq.seq_id] = s
+                live[seq.seq_id] = seq
+                seq.num_pending -= 1
+                continue
+            seq.num_computed_tokens += len(s.token_ids)
             self.kv.commit(seq)
             self.kv.drop_behind_window(seq)
             if s.prompt_targets and (pl := prompt_lps.get(s.seq_id)) is not None:
@@ -355,12 +339,27 @@ class Scheduler:
                 self.finish(seq, "error")
                 updated.append(seq)
                 continue
-            seq.token_ids.append(out.token_id)
-            if seq.params.logprobs is not None:
-                seq.logprobs.append((out.logprob, out.top_logprobs))
-            reason = self._stop_reason(seq, out.token_id)
-            if reason is not None:
-                self.finish(seq, reason)
+            verify = verifies.get(seq.seq_id)
+            seq.num_new = 0
+            for token, lp, top in ((out.token_id, out.logprob, out.top_logprobs), *out.more):
+                seq.token_ids.append(token)
+                seq.num_new += 1
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append((lp, top))
+                reason = self._stop_reason(seq, token)
+                if reason is not None:  # (a verify's tokens after it are dropped)
+                    self.finish(seq, reason)
+                    break
+            if verify is not None and not seq.is_finished:
+                # its KV is valid through the last position whose draw agreed; a draft
+                # model's through the last draft it was fed that was accepted
+                self.spec.record(seq, verify.num_drafts, len(out.more))
+                seq.draft_len = verify.start_pos + 1 + min(len(out.more), verify.num_drafts - 1)
+                seq.num_computed_tokens += 1 + len(out.more)
+                self.kv.commit(seq)
+                self.kv.drop_behind_window(seq)
+            elif verify is not None:
+                self.spec.record(seq, verify.num_drafts, len(out.more))
             updated.append(seq)
         return updated
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.block_pool import block_hash
+from tinyserve.core.spec_state import Acceptance, NgramIndex
 from tinyserve.messages import SamplingParams
 
 
@@ -67,6 +68,12 @@ class Sequence:
     _block_hashes: list[bytes] = field(default_factory=list)
     adapter: AdapterSpec | None = None  # its LoRA adapter (None: the base model)
     lora_slot: int = -1  # the device slot it holds while running (lora_slots.py)
+    # Speculation (speculation.py): its n-gram index, its acceptance, a verify in flight
+    ngram: NgramIndex | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    verifying: bool = False
+    draft_len: int = 0  # draft_model: positions its KV cache holds for this sequence
+    num_new: int = 0  # tokens the last applied step appended (1, or more after a verify)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -26,6 +26,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tinyserve.core.spec_state import NgramIndex
+from tinyserve.messages import DRAFT
+
+if TYPE_CHECKING:  # (a sequence holds its speculation state from spec_state.py: no circle)
+    from tinyserve.core.sequence import Sequence
 
 METHODS = ("ngram", "draft_model")
 REFUSED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp",
@@ -85,55 +92,41 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     return SpeculativeConfig(**d)
 
 
-class NgramIndex:
-    """Where each n-gram of a sequence's tokens last ended, kept as tokens are appended, so a
-    proposal costs O(prompt_lookup_max) a step, not O(history).
+class Speculator:
+    """The scheduler's proposer and tallies: draft tokens for a decode with nothing in
+    flight (every token known), and how many of them verify steps accepted."""
 
-        tokens   a b c d a b c    the suffix "a b c" last occurred ending at index 2:
-        propose  d a b ...        the tokens that followed it (up to K)
-    """
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+        self.num_verifies = self.num_draft_tokens = self.num_accepted = 0
+        self.accepted_at = [0] * cfg.num_speculative_tokens  # by draft position
 
-    __slots__ = ("n_min", "n_max", "_ends", "_seen")
+    def propose(self, seq: Sequence, budget: int, max_model_len: int) -> tuple[int, ...]:
+        """Up to K drafts, bounded by what the request may still generate, the context and
+        the step's token budget; () when it should not speculate now."""
+        cfg = self.cfg
+        if seq.num_pending or seq.num_inflight or not seq.acceptance.worth_it(
+                cfg.min_acceptance):
+            return ()
+        room = min(cfg.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   max_model_len - seq.num_tokens - 1, budget - 1)
+        if room <= 0:
+            return ()
+        if cfg.method == "draft_model":  # proposed on the device, before the verify runs
+            return (DRAFT,) * room
+        if seq.ngram is None:
+            seq.ngram = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return seq.ngram.propose(seq.token_ids, room)
 
-    def __init__(self, n_min: int, n_max: int) -> None:
-        self.n_min, self.n_max = n_min, n_max
-        # n-gram -> the index of its last token, where it last ended before the newest one
-        self._ends: dict[tuple[int, ...], int] = {}
-        self._seen = 0  # tokens indexed
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        seq.acceptance.record(accepted, proposed)
+        self.num_verifies += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted += accepted
+        for i in range(accepted):
+            self.accepted_at[i] += 1
 
-    def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
-        """Up to k tokens that followed the longest recent match of the tokens' suffix."""
-        self._catch_up(tokens)
-        n_tokens = len(tokens)
-        for n in range(min(self.n_max, n_tokens - 1), self.n_min - 1, -1):
-            end = self._ends.get(tuple(tokens[n_tokens - n:]))
-            if end is not None and end < n_tokens - 1:
-                return tuple(tokens[end + 1:end + 1 + k])
-        return ()
-
-    def _catch_up(self, tokens: list[int]) -> None:
-        """Index the n-grams ending at each token not seen yet, except the newest (a match
-        must end before the suffix it matches). O(new tokens x n_max)."""
-        ends = self._ends
-        for i in range(self._seen, len(tokens) - 1):
-            for n in range(self.n_min, self.n_max + 1):
-                if i + 1 >= n:
-                    ends[tuple(tokens[i + 1 - n:i + 1])] = i
-        self._seen = max(self._seen, len(tokens) - 1)
-
-
-@dataclass(slots=True)
-class Acceptance:
-    """A request's running mean of accepted draft tokens per proposed, and whether it still
-    speculates (below SpeculativeConfig.min_acceptance after a few steps, it stops)."""
-
-    mean: float = 1.0
-    steps: int = 0
-
-    def record(self, accepted: int, proposed: int) -> None:
-        if proposed:
-            self.steps += 1
-            self.mean += (accepted / proposed - self.mean) / min(self.steps, 8)
-
-    def worth_it(self, min_acceptance: float) -> bool:
-        return self.steps < 4 or self.mean >= min_acceptance
+    @property
+    def totals(self) -> tuple[int, int, int, tuple[int, ...]]:
+        return (self.num_verifies, self.num_draft_tokens, self.num_accepted,
+                tuple(self.accepted_at))

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tinyserve.config import EngineConfig, min_kv_blocks
 from tinyserve.core.adapters import ModelDims
@@ -46,6 +47,7 @@ class EngineInfo:
     max_loras: int = 0  # LoRA adapter slots (0: no adapters)
     max_lora_rank: int = 0
     lora_dims: ModelDims | None = None  # what an adapter must fit (core/adapters.py)
+    speculative: Any = None  # the SpeculativeConfig its runner was built for (None: off)
 
 
 def _resolve_dtype(name: str, device: str, checkpoint_dtype: str | None):
@@ -119,8 +121,17 @@ class DeviceEngine:
                      lora[0].nbytes / 2**20)
         one_block = KVCacheSpec(1, cfg.block_size, mcfg.num_layers, mcfg.num_kv_heads,
                                 mcfg.head_dim, dtype, kv_int8)
-        num_blocks = self._num_kv_blocks(cfg, mcfg, one_block.bytes_per_block, dtype.itemsize,
-                                         max_model_len)
+        draft = None  # speculation's draft model: its KV is paged by the target's blocks
+        sp = cfg.speculative
+        if sp is not None and sp.method == "draft_model":
+            from tinyserve.engine.draft import load_draft
+
+            draft = load_draft(sp.model, sp.quantization, mcfg.vocab_size, self.tokenizer,
+                               dtype, self.device, cfg.block_size, kv_int8,
+                               cfg.max_model_len or mcfg.max_position_embeddings)
+        per_block = one_block.bytes_per_block + (0 if draft is None else
+                                                 draft[1].bytes_per_block)
+        num_blocks = self._num_kv_blocks(cfg, mcfg, per_block, dtype.itemsize, max_model_len)
         window = mcfg.sliding_window if mcfg.every_layer_windowed else None
         min_blocks = min_kv_blocks(max_model_len, cfg.block_size, window,
                                    cfg.max_num_batched_tokens)
@@ -139,6 +150,13 @@ class DeviceEngine:
                                   max_num_seqs=cfg.max_num_seqs, max_model_len=max_model_len,
                                   enforce_eager=cfg.enforce_eager,
                                   host_adapters=None if lora is None else lora[1])
+        if draft is not None:
+            from tinyserve.engine.draft import DraftProposer
+            from tinyserve.engine.kv_cache import allocate_kv_cache
+
+            draft_kv = allocate_kv_cache(dataclasses.replace(draft[1], num_blocks=num_blocks),
+                                         self.device)
+            self.runner.draft = DraftProposer(draft[0], draft_kv, self.runner.device)
         self.info = EngineInfo(
             model_path=str(model_dir), device=self.device, dtype=str(dtype).removeprefix("torch."),
             quantization=weights.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
@@ -149,6 +167,7 @@ class DeviceEngine:
             architecture=mcfg.architecture,
             kv_window=mcfg.sliding_window if mcfg.every_layer_windowed else None,
             max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank if cfg.max_loras else 0,
+            speculative=cfg.speculative,
             lora_dims=dims)
         self.grammars = _grammar_compiler(self.tokenizer, mcfg.vocab_size, cfg)
         self.runner.logits.grammars = self.grammars

@@ -10,6 +10,7 @@ theirs in ``staging.DecodeStatics``).
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from tinyserve.messages import ScheduledSeq
@@ -48,7 +49,10 @@ def pack_arrays(seqs: list[ScheduledSeq], rows: list[int], table: np.ndarray, bl
             pre_rows.append(row)
             pre_lens.append(end)
             q_start.append(q_start[-1] + n)
-        if s.sample:
+        if s.num_drafts:  # a verify: a draw at every position (its rows, see verify_rows)
+            logits_rows.extend(range(len(input_ids) - n, len(input_ids)))
+            sampled.extend(verify_rows(s))
+        elif s.sample:
             logits_rows.append(len(input_ids) - 1)
             sampled.append(s)
         if s.prompt_targets:  # rows after the sampled ones (forward keeps this order)
@@ -70,3 +74,17 @@ def pack_arrays(seqs: list[ScheduledSeq], rows: list[int], table: np.ndarray, bl
             "decode_max_seq_len": max(dec_lens, default=0),
             "prefill_max_q_len": max((b - a for a, b in zip(q_start, q_start[1:])), default=0)}
     return arrays, sampled, fills, meta
+
+
+def verify_rows(s: ScheduledSeq) -> list[ScheduledSeq]:
+    """A verify's K + 1 draws as rows of their own: row i is drawn as plain decoding's i-th
+    next draw (its seed, its min_tokens bans, the output through draft i for penalties and
+    the grammar); row 0 is the entry itself. core/speculation.py says why that is exact."""
+    rows = [s]
+    drafts = s.token_ids[1:]
+    for i in range(1, s.num_drafts + 1):
+        out = None if s.output_ids is None else s.output_ids + drafts[:i]
+        rows.append(msgspec.structs.replace(
+            s, seed=s.spec_seeds[i - 1], banned=s.spec_banned[i - 1], output_ids=out,
+            spec_row=i))
+    return rows

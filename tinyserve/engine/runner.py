@@ -34,6 +34,7 @@ import torch
 
 from tinyserve.engine.block_tables import BlockTables
 from tinyserve.engine.buckets import capture, decode_buckets, split_class, split_classes
+from tinyserve.engine.draft import DraftProposer
 from tinyserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from tinyserve.engine.logits_processing import LogitsProcessors
 from tinyserve.engine.lora import HostAdapters
@@ -46,6 +47,7 @@ from tinyserve.kernels import sample, update_block_table
 from tinyserve.kernels.placeholders import fill_placeholders
 from tinyserve.kernels.utils import Recording, recording
 from tinyserve.messages import (
+    DRAFT,
     PLACEHOLDER,
     SamplingParams,
     ScheduledSeq,
@@ -64,6 +66,7 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         self.host_adapters = host_adapters  # LoRA: adapters in host memory, loaded into slots
+        self.draft: DraftProposer | None = None  # speculation's draft model (DeviceEngine)
         self.kv_spec = kv_spec
         self.device = torch.device(device)
         self.kv_cache = allocate_kv_cache(kv_spec, device)
@@ -127,6 +130,8 @@ class ModelRunner:
             self.push_table_updates(updates, statics=False)
             if not seqs:
                 return Launched(plan.step_id, t0)
+            if self.draft is not None:
+                seqs = self._with_drafts(seqs, rows)
             batch, sampled = self.pack(seqs, rows, holes)
             logits = self.model.forward(batch, self.kv_cache)
         prompt_lps = ()
@@ -143,6 +148,19 @@ class ModelRunner:
         return StepResult(step_id=launched.step_id, outputs=outputs,
                           seconds=time.perf_counter() - launched.t0,
                           prompt_logprobs=launched.prompt_logprobs)
+
+    def _with_drafts(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[ScheduledSeq]:
+        """Verify entries whose drafts the draft model proposes: proposed (the table rows
+        they write the draft's KV through are on the device already)."""
+        todo = [i for i, s in enumerate(seqs) if s.num_drafts and s.token_ids[1] == DRAFT]
+        if not todo:
+            return seqs
+        done = self.draft.propose([seqs[i] for i in todo], [rows[i] for i in todo],
+                                  self.tables.host, self.table_dev, self.kv_spec.block_size)
+        seqs = list(seqs)
+        for i, s in zip(todo, done, strict=True):
+            seqs[i] = s
+        return seqs
 
     def _placeholders(self, seqs: list[ScheduledSeq]
                       ) -> tuple[list[ScheduledSeq], dict[int, int]]:

@@ -30,7 +30,8 @@ class Launched:
 
 
 def step_outputs(launched: Launched, logits: LogitsProcessors) -> tuple[SeqOutput, ...]:
-    """A finished step's sampled rows as SeqOutputs (its one host sync: the readback)."""
+    """A finished step's sampled rows as SeqOutputs (its one host sync: the readback); a
+    verify's rows (packing.verify_rows) become one SeqOutput with its agreeing draws."""
     seqs, masks = launched.sampled, launched.masks
     tokens, logprobs, top_ids, top_lps = launched.readback.wait()
     tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
@@ -39,20 +40,47 @@ def step_outputs(launched: Launched, logits: LogitsProcessors) -> tuple[SeqOutpu
     ends = logits.dead_ends(seqs, masks, launched.failed)
     for i, end in ends.items():
         tokens_l[i] = end if isinstance(end, int) else -1
-    if masks is not None:
-        logits.advance(seqs, tokens_l)
+    if masks is not None:  # (a verify's matcher is caught up by its next step's history)
+        plain = [i for i, s in enumerate(seqs) if not s.num_drafts]
+        logits.advance([seqs[i] for i in plain], [tokens_l[i] for i in plain])
     tops = None if top_ids is None else list(zip(top_ids.tolist(), top_lps.tolist(),
                                                  strict=True))
-    out = []
-    for i, s in enumerate(seqs):
-        p = s.params
-        end = ends.get(i)
-        if end is not None and not isinstance(end, int):
-            out.append(SeqOutput(s.seq_id, -1, 0.0, error=end[1], error_reason=end[0]))
-            continue
+
+    def draw(i: int) -> tuple[int, float, tuple[tuple[int, float], ...] | None]:
+        p = seqs[i].params
         top = None if p.logprobs is None else ()
         if tops is not None and p.logprobs is not None:
             ids, lps = tops[i]
             top = tuple(zip(ids[: p.logprobs], lps[: p.logprobs], strict=True))
-        out.append(SeqOutput(s.seq_id, tokens_l[i], lps_l[i], top))
+        return tokens_l[i], lps_l[i], top
+
+    out = []
+    i = 0
+    while i < len(seqs):
+        s = seqs[i]
+        rows = _agreeing(s, tokens_l, ends, i) if s.num_drafts else 1
+        end = ends.get(i)
+        if rows == 0 or (end is not None and not isinstance(end, int)):
+            out.append(SeqOutput(s.seq_id, -1, 0.0, error=end[1], error_reason=end[0]))
+        else:
+            first, *more = (draw(r) for r in range(i, i + rows))
+            out.append(SeqOutput(s.seq_id, *first, more=tuple(more)))
+        i += 1 + s.num_drafts
     return tuple(out)
+
+
+def _agreeing(s: ScheduledSeq, tokens: list[int], ends: dict, i: int) -> int:
+    """How many of a verify's rows (from row i) become tokens: its draws while each equals
+    the next draft, then the first that does not (or the bonus after the last draft); cut
+    before a row that ends in an error, through a row that ends with EOS. 0: row 0 failed."""
+    drafts = s.token_ids[1:]
+    n = s.num_drafts + 1
+    for r in range(s.num_drafts):
+        if tokens[i + r] != drafts[r]:
+            n = r + 1
+            break
+    for r in range(n):
+        end = ends.get(i + r)
+        if end is not None:
+            return r + 1 if isinstance(end, int) else r
+    return n
