@@ -80,6 +80,8 @@ def main() -> int:
                                              quantization="int4",
                                              num_speculative_tokens=args.k),
     }
+    if chat:  # its file is 4-bit already: an int4 copy of it would be the model itself
+        del methods["int4 self-draft"]
     kw = dict(dtype="float32", max_model_len=512, num_kv_blocks=96)
     failed = False
     for wname, prompts in workloads(chat, args.prompts):

@@ -69,6 +69,19 @@ class DraftProposer:
 
     def _step(self, seqs: list[ScheduledSeq], rows: list[int], table_host,
               table_dev: torch.Tensor, block_size: int) -> list[int]:
+        """One greedy token per entry, in the entries' order."""
+        # the forward pass takes decodes first (packing.py): step 0 mixes catch-ups (a
+        # draft_prefix) with single tokens in the plan's order
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)
+        tokens = self._forward([seqs[i] for i in order], [rows[i] for i in order], table_host,
+                               table_dev, block_size)
+        out = [0] * len(seqs)
+        for j, i in enumerate(order):
+            out[i] = tokens[j]
+        return out
+
+    def _forward(self, seqs: list[ScheduledSeq], rows: list[int], table_host,
+                 table_dev: torch.Tensor, block_size: int) -> list[int]:
         arrays, sampled, _, meta = pack_arrays(seqs, rows, table_host, block_size, {})
         ids, pos, slots, logits_idx, dec_rows, dec_lens, pre_rows, pre_lens, q_start = \
             stage(arrays, self.device)
@@ -99,6 +112,7 @@ def load_draft(path: str, quantization: str | None, target_vocab: int, target_to
     from tinyserve.engine.loader import load_weights
     from tinyserve.engine.model_config import load_model_config
     from tinyserve.engine.rope import rope_tables
+    from tinyserve.gguf_file import is_gguf
     from tinyserve.text.tokenizer import Tokenizer
 
     mcfg = load_model_config(path)
@@ -108,7 +122,13 @@ def load_draft(path: str, quantization: str | None, target_vocab: int, target_to
     if getattr(Tokenizer(path), "fingerprint", None) != getattr(target_tokenizer, "fingerprint",
                                                                  None):
         raise ValueError("speculative_config.model: the draft's tokenizer is not the target's")
-    weights = load_weights(path, mcfg, dtype, device, quantization)
+    if is_gguf(path):  # llama.cpp's file: its codes kept in the group-wise kernels
+        from tinyserve.engine.gguf_weights import load_gguf_weights
+        from tinyserve.gguf_file import GGUFFile
+
+        weights = load_gguf_weights(GGUFFile(path), mcfg, dtype, device, quantization, False)
+    else:
+        weights = load_weights(path, mcfg, dtype, device, quantization)
     if mcfg.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config.model: the draft's context "
                          f"({mcfg.max_position_embeddings}) is shorter than max_model_len "
