@@ -154,3 +154,25 @@ def test_the_next_three_tokens_are_distributed_as_without_speculation(tmp_path, 
           f"{p_broken:.2e}")
     assert p_ok > 0.01
     assert p_broken < 1e-3
+
+
+def test_counters_count_only_what_was_computed_and_emitted(stories_dir):
+    """A 1-token last prompt chunk that becomes a verify still counts as a prompt token; a
+    verify cut by a stop token credits only the drafts it emitted."""
+    chunked = dict(dtype="float32", max_num_batched_tokens=16)
+    base = LLM(str(stories_dir), **chunked)
+    sp = LLM(str(stories_dir), speculative=SpeculativeConfig(prompt_lookup_min=1), **chunked)
+    ids = base.tokenizer.encode(STORY)[:33]  # chunks of 16, 16, 1
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    assert tokens(sp, [ids], params) == tokens(base, [ids], params)
+    assert (sp.core.scheduler.num_prompt_tokens_computed
+            == base.core.scheduler.num_prompt_tokens_computed)
+    # the STORY's first answer token after "little" is " girl": stop on the token after it
+    llm = LLM(str(stories_dir), dtype="float32", speculative=ngram())
+    first = tokens(llm, [STORY], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    s = llm.core.scheduler.spec
+    s.num_accepted = s.num_verifies = 0
+    out = llm.generate([STORY], SamplingParams(max_tokens=16, temperature=0.0,
+                                               stop_token_ids=[first[1]]))[0]
+    assert out.token_ids == first[:2] and out.finish_reason == "stop"
+    assert s.num_verifies and s.num_accepted <= len(out.token_ids) - 1

@@ -267,8 +267,9 @@ class Scheduler:
         """Its share of the step (plan_entries.py), and what the step counts for it."""
         start = seq.num_computed_tokens + seq.num_inflight
         self.served[seq.tenant] += n
-        if not drafts and start < len(seq.prompt_token_ids):
-            self.num_prompt_tokens_computed += min(start + n, len(seq.prompt_token_ids)) - start
+        if start < len(seq.prompt_token_ids):  # (a verify's first position may be the last
+            k = 1 if drafts else n               # prompt token: a 1-token last chunk)
+            self.num_prompt_tokens_computed += min(start + k, len(seq.prompt_token_ids)) - start
         if drafts:
             return verify_entry(seq, drafts, self.cfg.eos_token_ids)
         return plan_entry(seq, n, self.cfg.eos_token_ids)
@@ -358,8 +359,8 @@ class Scheduler:
                 seq.num_computed_tokens += 1 + len(out.more)
                 self.kv.commit(seq)
                 self.kv.drop_behind_window(seq)
-            elif verify is not None:
-                self.spec.record(seq, verify.num_drafts, len(out.more))
+            elif verify is not None:  # accepted: the drafts it emitted before it stopped
+                self.spec.record(seq, verify.num_drafts, min(len(out.more), seq.num_new))
             updated.append(seq)
         return updated
 
