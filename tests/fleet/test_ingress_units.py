@@ -101,9 +101,10 @@ def test_an_unknown_callers_prompt_never_steers_routing():
     for key in (None, "wrong", "clé-a"):  # (a key with non-ASCII bytes: as the replica reads it)
         headers = [] if key is None else [("Authorization", f"Bearer {key}")]
         asyncio.run(ingress(_request(headers, body)))
-    assert [r.prompt for r in seen] == ["", "", "Once upon a time"]
+    # (the routing key is the model, then the prompt: an adapter's prefixes are its own)
+    assert [r.prompt for r in seen] == ["", "", "m\0Once upon a time"]
     assert all(r.body == body for r in seen)
     keyless = FleetIngress(_Replicas())  # no keys configured: everyone is the one tenant
     keyless._answer = answer
     asyncio.run(keyless(_request([], body)))
-    assert seen[-1].prompt == "Once upon a time"
+    assert seen[-1].prompt == "m\0Once upon a time"
