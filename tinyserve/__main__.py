@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the last at once), as vLLM's --stream-interval: 1 sends each "
                         "token as it comes; larger sends fewer, bigger chunks, for less host "
                         "work per token at high concurrency")
+    c.add_argument("--stream-write-rate", type=float, default=16000.0,
+                   help="hand-offs to streaming readers a second, per model, before tokens "
+                        "wait to go out together (each still its own SSE event, the first "
+                        "and the last never delayed): caps the host's write and wake-up work "
+                        "at high concurrency; 0: every token is written as it comes")
     c.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to queue beyond --max-num-seqs; more get 429")
     k = p.add_argument_group("KV cache")
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host, port=args.port,
             api_key=args.api_key, max_waiting=args.max_waiting,
             batch_timeout_ms=args.batch_timeout_ms, overlap=not args.no_overlap,
-            stream_interval=args.stream_interval,
+            stream_interval=args.stream_interval, stream_write_rate=args.stream_write_rate,
             drain_timeout_s=args.drain_timeout,
             step_timeout_s=args.step_timeout, max_failed_steps=args.max_failed_steps,
             max_body_bytes=args.max_body_size, log_level=args.log_level,

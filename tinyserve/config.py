@@ -244,6 +244,8 @@ class ServerConfig:
     batch_timeout_ms: float = 0.0  # how long an idle engine waits to batch new arrivals
     overlap: bool = True  # plan each step while the previous one runs (async scheduling)
     stream_interval: int = 1  # a request's tokens go out every this many (first, last at once)
+    # hand-offs to stream readers a second, per model (actors/replies.py); 0: no limit
+    stream_write_rate: float = 16000.0
     drain_timeout_s: float = 30.0  # SIGTERM: time running requests get to finish
     step_timeout_s: float = 60.0  # a step running longer is a wedged device: unhealthy
     max_failed_steps: int = 3  # this many failed steps in a row: unhealthy
@@ -287,6 +289,8 @@ class ServerConfig:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not self.stream_write_rate >= 0:
+            raise ValueError(f"stream_write_rate must be >= 0, got {self.stream_write_rate}")
         if self.max_failed_steps < 1:
             raise ValueError(f"max_failed_steps must be >= 1, got {self.max_failed_steps}")
         if self.max_body_bytes < 1024:

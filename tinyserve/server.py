@@ -157,7 +157,7 @@ class Server:
                               # a verify's accepted count is what its next step starts from:
                               # with speculation each step is planned once the last returned
                               self.cfg.overlap and getattr(info, "speculative", None) is None,
-                              self.cfg.stream_interval)
+                              self.cfg.stream_interval, self.cfg.stream_write_rate)
             self.batchers[spec.name] = batcher
             self.executor.outboxes[spec.name] = batcher.inbox
             lane = Lane(spec.name, batcher.inbox, capacity, info.max_model_len, slo,

@@ -33,3 +33,58 @@ def test_a_stream_sends_every_n_tokens_and_the_same_text(interval):
 def test_the_interval_is_validated():
     with pytest.raises(ValueError, match="stream_interval"):
         ServerConfig(stream_interval=0)
+
+
+def test_past_the_write_rate_streams_get_every_token_as_its_own_event_in_fewer_writes(
+        monkeypatch):
+    """--stream-write-rate: 16 streams at a step every 2 ms want ~8,000 hand-offs a second;
+    at 500 their tokens wait and go out several a write, each still its own SSE event, and
+    the answers are those of an unlimited server."""
+    import asyncio
+
+    import tinyserve.api.sse as sse
+
+    writes = []
+    real = sse._sender
+
+    def counting(resp, transport):
+        send = real(resp, transport)
+
+        async def counted(chunks):
+            writes.append(len(chunks))
+            await send(chunks)
+        return counted
+
+    monkeypatch.setattr(sse, "_sender", counting)
+
+    async def streams(url):
+        return await asyncio.gather(*(stream(url, "/v1/completions", completion(
+            [1, 300 + i], max_tokens=24, ignore_eos=True, return_token_ids=True))
+            for i in range(16)))
+
+    answers = {}
+    for rate in (0.0, 500.0):
+        writes.clear()
+        srv = InProcessServer(FakeRunner(step_seconds=0.002), stream_write_rate=rate)
+        try:
+            got = run(streams(srv.url))
+        finally:
+            srv.stop()
+        answers[rate] = []
+        for events, done, _ in got:
+            assert done
+            chunks = [c for e in events for c in e.get("choices", ())]
+            assert [len(c.get("token_ids") or ()) for c in chunks if c.get("token_ids")] \
+                == [1] * 24  # one event per token
+            answers[rate].append(("".join(c["text"] for c in chunks),
+                                  sum((c["token_ids"] for c in chunks if c.get("token_ids")),
+                                      [])))
+        events_written = sum(writes)
+        if rate:  # several events a write (the first and last events are never held)
+            assert len(writes) < events_written * 0.6, (len(writes), events_written)
+    assert answers[0.0] == answers[500.0]
+
+
+def test_the_write_rate_is_validated():
+    with pytest.raises(ValueError, match="stream_write_rate"):
+        ServerConfig(stream_write_rate=-1)

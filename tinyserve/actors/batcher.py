@@ -30,6 +30,7 @@ import logging
 import time
 
 from tinyserve.actors.metrics import Metrics
+from tinyserve.actors.replies import Replies
 from tinyserve.core.engine_core import EngineCore
 from tinyserve.core.request import Request
 from tinyserve.core.slo import SloController
@@ -46,7 +47,6 @@ from tinyserve.messages import (
     StepResult,
     StepStats,
     Submit,
-    TokenInfo,
 )
 
 log = logging.getLogger(__name__)
@@ -54,25 +54,14 @@ log = logging.getLogger(__name__)
 PLAN_AHEAD = 0.6  # plan the next step this far into the running one (of its expected time)
 
 
-def reply(req: Request, msg: Output | Failed) -> None:
-    """Never blocks and never raises: the queue is sized for every reply a request can get,
-    and one that is full anyway belongs to a reader that is gone or already failed."""
-    try:
-        req.reply_to.put_nowait(msg)
-    except asyncio.QueueFull:
-        log.warning("request %d: reply queue full, dropping %s", req.request_id,
-                    type(msg).__name__)
-
-
 class Batcher:
     def __init__(self, core: EngineCore, executor_inbox, metrics: Metrics,
                  capacity: int, batch_timeout_ms: float = 0.0,
                  slo: SloController | None = None, model: str = "", overlap: bool = True,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, stream_write_rate: float = 0.0) -> None:
         self.model = model  # the served model whose requests and steps these are
-        # A request's Output goes out every this many new tokens (its first and last at once):
-        # fewer queue hand-offs, shapes and writes per token when many streams run.
-        self._stream_interval = stream_interval
+        # What each request's reader is sent, and when (replies.py)
+        self.replies = Replies(stream_interval, stream_write_rate)
         self.core = core
         # Fed every first token and inter-token gap; admission reads its limit and level.
         self.slo = slo or SloController(None, None, capacity)
@@ -163,7 +152,8 @@ class Batcher:
                                                            retry_after=5.0))
                     self._after.clear()
                     for req in list(self.core.requests.values()):
-                        reply(req, Failed(msg.status, msg.message, retry_after=5.0))
+                        self.replies.send(req, Failed(msg.status, msg.message,
+                                                      retry_after=5.0))
                         self._end(req, None)
                     self._emit_stats(0)
                 case _:
@@ -240,7 +230,7 @@ class Batcher:
                             del self._after[first]
                         return
             return
-        reply(req, Output("", (), 0, finish_reason="abort"))
+        self.replies.send(req, Output("", (), 0, finish_reason="abort"))
         self._end(req, "abort")
         self._emit_stats(0)
 
@@ -262,7 +252,8 @@ class Batcher:
                 self._constraint_failed(req)
                 continue
             if req.seq.finish_reason == "error":
-                reply(req, Failed(500, "the engine failed while running this request"))
+                self.replies.send(req, Failed(500, "the engine failed while running this "
+                                              "request"))
                 self._end(req, None)
                 continue
             times = req.token_times
@@ -277,12 +268,10 @@ class Batcher:
             times.extend((now,) * new)
             if req.request_id in self._after:  # its prompt is in the prefix cache now
                 self._release_after(req.request_id)
-            seq = req.seq
-            if (seq.is_finished or not req.sent_tokens
-                    or seq.num_output_tokens - req.sent_tokens >= self._stream_interval):
-                self._send(req)
-            if seq.is_finished:
-                self._end(req, seq.finish_reason)
+            self.replies.advanced(req, now)
+            if req.seq.is_finished:
+                self._end(req, req.seq.finish_reason)
+        self.replies.stepped(now)
         self._tick()
         self._emit_stats(tokens)
 
@@ -295,7 +284,7 @@ class Batcher:
         self._metrics.emit(ConstraintFailed(self.model, reason))
         # The request's own constraints (its grammar, its bans) are a 4xx, as an invalid
         # body would be; only the matcher raising is the server's fault (ConstraintFailed).
-        reply(req, Failed(500 if reason == "grammar_crash" else 400, message,
+        self.replies.send(req, Failed(500 if reason == "grammar_crash" else 400, message,
                           param="logit_bias" if reason == "nothing_allowed" else None))
         self._end(req, None)
 
@@ -305,43 +294,12 @@ class Batcher:
             sched.max_running, sched.max_tokens_per_step = self.slo.scheduler_limits(
                 cfg.max_num_seqs, cfg.max_num_batched_tokens)
 
-    # -- outputs -----------------------------------------------------------------------------
-    def _send(self, req: Request) -> None:
-        """The text and tokens new since the last Output: O(new tokens), whatever the history."""
-        seq = req.seq
-        text = req.detok.stream_delta(final=seq.is_finished)
-        n_out = seq.num_output_tokens
-        new = n_out - req.sent_tokens
-        p = seq.params
-        ids: tuple[int, ...] = ()
-        tokens: tuple[TokenInfo, ...] = ()
-        if new > 0 and (p.logprobs is not None or p.return_token_ids):
-            ids = tuple(seq.token_ids[seq.num_prompt_tokens + req.sent_tokens:])
-            if p.logprobs is not None:
-                tokens = tuple(TokenInfo(t, lp, top or ()) for t, (lp, top) in zip(
-                    ids, seq.logprobs[req.sent_tokens:], strict=True))
-        req.sent_tokens = n_out
-        if not text and not ids and not seq.is_finished:
-            return  # nothing to show yet (e.g. half a UTF-8 character held back)
-        prompt_lps, ranks = None, ()
-        if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            req.prompt_logprobs_sent = True  # once: O(prompt) on the first Output only
-            prompt = seq.prompt_token_ids
-            prompt_lps = (None,) + tuple(TokenInfo(prompt[i + 1], lp, top)
-                                         for i, (lp, _, top) in enumerate(seq.prompt_lps))
-            ranks = tuple(rank for _, rank, _ in seq.prompt_lps)
-        reply(req, Output(
-            text=text, tokens=tokens, num_new_tokens=new,
-            finish_reason=seq.finish_reason if seq.is_finished else None,
-            prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
-            cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_lps,
-            prompt_ranks=ranks, stop_reason=_stop_reason(req),
-            token_ids=ids if p.return_token_ids else ()))
-
+    # -- endings -----------------------------------------------------------------------------
     def _end(self, req: Request, reason: str | None) -> None:
         """Forget the request (freeing its blocks) and record how it finished; None: it failed
         (the API counts the error it answered, under request_errors_total)."""
         self.core.release(req.request_id)
+        self.replies.flush(req)  # (anything still waiting goes out before it is forgotten)
         if req.request_id in self._after:  # it ended before its first token: they go ahead
             self._release_after(req.request_id)
         if req.internal or reason is None:
@@ -382,14 +340,3 @@ class Batcher:
         return (names(sched.running), names(sched.waiting), sched.lora_slots.max_loras,
                 sched.lora_slots.num_loads)
 
-
-def _stop_reason(req: Request) -> str | int | None:
-    """What ended a request that finished with "stop": its stop string, or its stop token
-    (EOS: None, as vLLM reports it)."""
-    seq = req.seq
-    if seq.finish_reason != "stop":
-        return None
-    if req.detok.matched is not None:
-        return req.detok.matched
-    last = seq.token_ids[-1]
-    return last if last in seq.params.stop_token_ids else None

@@ -26,6 +26,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already handed to the reply queue
     prompt_logprobs_sent: bool = False
+    held: list = field(default_factory=list)  # serving: Outputs waiting to go out (replies.py)
 
     @property
     def request_id(self) -> int:

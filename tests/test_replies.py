@@ -1,0 +1,134 @@
+"""actors/replies.py: which Outputs a step's requests get and when they are handed over. With a
+write rate, Outputs past the bucket wait on their request (longest waiting first out), a
+request's first and last Output never wait, and nothing is lost, reordered or merged."""
+
+import asyncio
+
+import pytest
+
+from tinyserve.actors.replies import Replies
+from tinyserve.core.engine_core import CoreConfig, EngineCore
+from tinyserve.core.sequence import SeqStatus
+from tinyserve.messages import Failed, Output, SamplingParams
+from tinyserve.models import STORIES260K
+from tinyserve.text.tokenizer import Tokenizer
+
+WORDS = list(range(259, 300))  # stories260k pieces that are whole words
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(STORIES260K)
+
+
+def _core(tokenizer) -> EngineCore:
+    return EngineCore(CoreConfig(num_kv_blocks=64, block_size=16, max_num_seqs=8,
+                                 max_num_batched_tokens=256, max_model_len=128, vocab_size=512,
+                                 eos_token_ids=frozenset({2})), tokenizer)
+
+
+def _request(core: EngineCore, rid: int, max_tokens: int = 20):
+    return core.add_request(rid, [1, 5], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                            reply_to=asyncio.Queue())
+
+
+def _token(req, tok: int, last: bool = False) -> None:
+    """A step gave ``req`` the token ``tok`` (``last``: and it finished by length)."""
+    req.seq.token_ids.append(tok)
+    req.detok.add(tok)
+    if last:
+        req.seq.status, req.seq.finish_reason = SeqStatus.FINISHED, "length"
+
+
+def _drain(req) -> list:
+    out = []
+    while not req.reply_to.empty():
+        out.append(req.reply_to.get_nowait())
+    return out
+
+
+def test_without_a_rate_every_output_goes_out_with_its_step(tokenizer):
+    core, replies = _core(tokenizer), Replies()
+    req = _request(core, 1)
+    for i, tok in enumerate(WORDS[:5]):
+        _token(req, tok, last=i == 4)
+        replies.advanced(req, now=float(i))
+        replies.stepped(float(i))
+        got = _drain(req)
+        assert [o.num_new_tokens for o in got] == [1]
+    assert got[0].finish_reason == "length"
+
+
+def test_past_the_rate_outputs_wait_and_leave_in_order_one_per_token(tokenizer):
+    core = _core(tokenizer)
+    replies = Replies(write_rate=100.0)  # bucket: 2 hand-offs (20 ms' worth), 1 per 10 ms
+    reqs = [_request(core, i) for i in range(4)]
+    now = 0.0
+    for r in reqs:  # first tokens: never held, whatever the budget
+        _token(r, WORDS[0])
+        replies.advanced(r, now)
+    replies.stepped(now)
+    assert [len(_drain(r)) for r in reqs] == [1, 1, 1, 1]
+    # the bucket is spent: a step 1 ms later hands nothing over, every Output waits
+    now = 0.001
+    for r in reqs:
+        _token(r, WORDS[1])
+        replies.advanced(r, now)
+    replies.stepped(now)
+    assert [len(_drain(r)) for r in reqs] == [0, 0, 0, 0]
+    assert all(len(r.held) == 1 for r in reqs)
+    # (the first Outputs took 4 of the 2 it held: it is 2 behind) two more tokens each, the
+    # second 48 ms later: the bucket is full again, two hand-offs, the longest waiting first
+    for k, now in ((2, 0.002), (3, 0.050)):
+        for r in reqs:
+            _token(r, WORDS[k])
+            replies.advanced(r, now)
+        replies.stepped(now)
+    got = [_drain(r) for r in reqs]
+    assert [len(g) for g in got] == [3, 3, 0, 0]  # each hand-off: all that waited, unmerged
+    assert all(o.num_new_tokens == 1 for g in got for o in g)
+    assert [o.completion_tokens for o in got[0]] == [2, 3, 4]
+    # the next refill goes to the two that still wait (oldest first), not to 0 and 1 again
+    replies.stepped(0.070)
+    assert [len(_drain(r)) for r in reqs] == [0, 0, 3, 3]
+
+
+def test_a_last_output_is_never_held_and_goes_out_behind_what_waited(tokenizer):
+    core = _core(tokenizer)
+    replies = Replies(write_rate=1.0)  # one hand-off a second: everything else waits
+    req = _request(core, 1)
+    texts = []
+    for i, tok in enumerate(WORDS[:6]):
+        _token(req, tok, last=i == 5)
+        replies.advanced(req, now=0.001 * i)
+        replies.stepped(0.001 * i)
+        texts += [o.text for o in _drain(req)]
+    assert len(texts) == 6 and req.held == []
+    assert "".join(texts) == req.detok.text
+
+
+def test_a_failure_or_an_end_flushes_what_waited_first(tokenizer):
+    core = _core(tokenizer)
+    replies = Replies(write_rate=1.0)
+    a, b = _request(core, 1), _request(core, 2)
+    for r in (a, b):
+        for i, tok in enumerate(WORDS[:4]):
+            _token(r, tok)
+            replies.advanced(r, 0.001 * i)
+    replies.send(a, Failed(500, "boom"))
+    got = _drain(a)
+    assert [type(m) for m in got] == [Output] * 4 + [Failed]
+    replies.flush(b)  # (as the batcher forgets a request)
+    assert len(_drain(b)) == 4 and b.held == []
+    replies.stepped(10.0)  # nothing left waiting: nothing is sent twice
+    assert _drain(a) == [] and _drain(b) == []
+
+
+def test_the_stream_interval_still_merges_tokens_into_one_output(tokenizer):
+    core = _core(tokenizer)
+    replies = Replies(stream_interval=3, write_rate=1.0)
+    req = _request(core, 1)
+    for i, tok in enumerate(WORDS[:8]):
+        _token(req, tok, last=i == 7)
+        replies.advanced(req, 0.001 * i)
+    assert [o.num_new_tokens for o in _drain(req)] == [1, 3, 3, 1]

@@ -1,0 +1,147 @@
+"""What a request's reader is sent after a step, and when: the batcher's outbound half.
+
+An Output carries the text and tokens new since the request's last one (``stream_interval``:
+one every that many tokens, the first and the last at once, as vLLM's). Handing one to the
+request's reply queue wakes its reader, which shapes what it finds there and writes it to
+the socket: per hand-off a task switch, a write and (on a loopback peer) the receiver's TCP
+work inside our ``send``, the largest costs a token has at a small model's step rate.
+
+So hand-offs are rationed: a token bucket of ``write_rate`` a second for the model's
+requests together. While it has tokens every Output goes out with the step that made it (a
+few streams, or slow steps: no change at all). Past it, Outputs wait on their request,
+oldest-waiting request first, and go out together in its next hand-off - each still its own
+Output, so a stream still gets one SSE event per token, in fewer, larger writes. A request's
+first Output and its last never wait (time to first token, and its end, are not delayed).
+At N busy streams a token waits at most about N / write_rate seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tinyserve.core.request import Request
+from tinyserve.messages import Failed, Output, TokenInfo
+
+log = logging.getLogger(__name__)
+
+BURST_S = 0.02  # the bucket holds at most this long's worth of hand-offs
+
+
+def reply(req: Request, msg: Output | Failed) -> None:
+    """Never blocks and never raises: the queue is sized for every reply a request can get,
+    and one that is full anyway belongs to a reader that is gone or already failed."""
+    try:
+        req.reply_to.put_nowait(msg)
+    except asyncio.QueueFull:
+        log.warning("request %d: reply queue full, dropping %s", req.request_id,
+                    type(msg).__name__)
+
+
+class Replies:
+    """Owns the Outputs that wait (on their Request's ``held``) and the hand-off budget."""
+
+    def __init__(self, stream_interval: int = 1, write_rate: float = 0.0) -> None:
+        self._interval = stream_interval
+        self._rate = write_rate  # 0: every Output is handed over at once
+        self._cap = max(write_rate * BURST_S, 1.0)
+        self._budget = self._cap
+        self._refilled = 0.0
+        # requests with Outputs waiting, the longest-waiting first (dicts keep insertion order)
+        self._waiting: dict[Request, None] = {}
+
+    def advanced(self, req: Request, now: float) -> None:
+        """A step gave it new tokens: its Output, if one is due, goes out or waits."""
+        seq = req.seq
+        if not (seq.is_finished or not req.sent_tokens
+                or seq.num_output_tokens - req.sent_tokens >= self._interval):
+            return
+        first = not req.sent_tokens
+        out = self._output(req)
+        if out is None:
+            return
+        if not self._rate or first or out.finish_reason is not None:
+            self.send(req, out)
+            return
+        req.held.append(out)
+        if req not in self._waiting:
+            self._waiting[req] = None
+            self._refill(now)
+            if self._budget >= 1.0:  # room for it in this step's hand-offs
+                self._budget -= 1.0
+                self.flush(req)
+
+    def stepped(self, now: float) -> None:
+        """After a step's results: hand over what the budget allows, longest waiting first."""
+        if not self._waiting:
+            return
+        self._refill(now)
+        while self._waiting and self._budget >= 1.0:
+            self._budget -= 1.0
+            self.flush(next(iter(self._waiting)))
+
+    def send(self, req: Request, msg: Output | Failed) -> None:
+        """Hand ``msg`` over now, behind whatever of the request's is waiting."""
+        if req.held:
+            self.flush(req)
+        if self._rate:
+            self._budget -= 1.0
+        reply(req, msg)
+
+    def flush(self, req: Request) -> None:
+        """Everything of the request's that waits, now (before a last reply, and as it ends)."""
+        self._waiting.pop(req, None)
+        held, req.held = req.held, []
+        for out in held:
+            reply(req, out)
+
+    def _refill(self, now: float) -> None:
+        self._budget = min(self._cap, self._budget + (now - self._refilled) * self._rate)
+        self._refilled = now
+
+    # -- the Output ------------------------------------------------------------------------------
+    @staticmethod
+    def _output(req: Request) -> Output | None:
+        """The text and tokens new since the last Output: O(new tokens), whatever the history.
+        None: nothing to show yet (e.g. half a UTF-8 character held back)."""
+        seq = req.seq
+        text = req.detok.stream_delta(final=seq.is_finished)
+        n_out = seq.num_output_tokens
+        new = n_out - req.sent_tokens
+        p = seq.params
+        ids: tuple[int, ...] = ()
+        tokens: tuple[TokenInfo, ...] = ()
+        if new > 0 and (p.logprobs is not None or p.return_token_ids):
+            ids = tuple(seq.token_ids[seq.num_prompt_tokens + req.sent_tokens:])
+            if p.logprobs is not None:
+                tokens = tuple(TokenInfo(t, lp, top or ()) for t, (lp, top) in zip(
+                    ids, seq.logprobs[req.sent_tokens:], strict=True))
+        req.sent_tokens = n_out
+        if not text and not ids and not seq.is_finished:
+            return None
+        prompt_lps, ranks = None, ()
+        if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True  # once: O(prompt) on the first Output only
+            prompt = seq.prompt_token_ids
+            prompt_lps = (None,) + tuple(TokenInfo(prompt[i + 1], lp, top)
+                                         for i, (lp, _, top) in enumerate(seq.prompt_lps))
+            ranks = tuple(rank for _, rank, _ in seq.prompt_lps)
+        return Output(
+            text=text, tokens=tokens, num_new_tokens=new,
+            finish_reason=seq.finish_reason if seq.is_finished else None,
+            prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
+            cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_lps,
+            prompt_ranks=ranks, stop_reason=_stop_reason(req),
+            token_ids=ids if p.return_token_ids else ())
+
+
+def _stop_reason(req: Request) -> str | int | None:
+    """What ended a request that finished with "stop": its stop string, or its stop token
+    (EOS: None, as vLLM reports it)."""
+    seq = req.seq
+    if seq.finish_reason != "stop":
+        return None
+    if req.detok.matched is not None:
+        return req.detok.matched
+    last = seq.token_ids[-1]
+    return last if last in seq.params.stop_token_ids else None
