@@ -52,8 +52,9 @@ def test_without_a_rate_every_output_goes_out_with_its_step(tokenizer):
     req = _request(core, 1)
     for i, tok in enumerate(WORDS[:5]):
         _token(req, tok, last=i == 4)
-        replies.advanced(req, now=float(i))
-        replies.stepped(float(i))
+        replies.refill(float(i))
+        replies.advanced(req)
+        replies.stepped()
         got = _drain(req)
         assert [o.num_new_tokens for o in got] == [1]
     assert got[0].finish_reason == "length"
@@ -63,33 +64,32 @@ def test_past_the_rate_outputs_wait_and_leave_in_order_one_per_token(tokenizer):
     core = _core(tokenizer)
     replies = Replies(write_rate=100.0)  # bucket: 2 hand-offs (20 ms' worth), 1 per 10 ms
     reqs = [_request(core, i) for i in range(4)]
-    now = 0.0
-    for r in reqs:  # first tokens: never held, whatever the budget
-        _token(r, WORDS[0])
-        replies.advanced(r, now)
-    replies.stepped(now)
-    assert [len(_drain(r)) for r in reqs] == [1, 1, 1, 1]
-    # the bucket is spent: a step 1 ms later hands nothing over, every Output waits
-    now = 0.001
-    for r in reqs:
-        _token(r, WORDS[1])
-        replies.advanced(r, now)
-    replies.stepped(now)
-    assert [len(_drain(r)) for r in reqs] == [0, 0, 0, 0]
-    assert all(len(r.held) == 1 for r in reqs)
-    # (the first Outputs took 4 of the 2 it held: it is 2 behind) two more tokens each, the
-    # second 48 ms later: the bucket is full again, two hand-offs, the longest waiting first
-    for k, now in ((2, 0.002), (3, 0.050)):
+
+    def step(k: int, now: float) -> None:
+        replies.refill(now)
         for r in reqs:
             _token(r, WORDS[k])
-            replies.advanced(r, now)
-        replies.stepped(now)
+            replies.advanced(r)
+        replies.stepped()
+
+    step(0, 0.001)  # first tokens: never held, whatever the budget
+    assert [len(_drain(r)) for r in reqs] == [1, 1, 1, 1]
+    # the bucket is spent (the first Outputs took 4 of the 2 it held): a 1 ms step hands
+    # nothing over, every Output waits
+    step(1, 0.002)
+    assert [len(_drain(r)) for r in reqs] == [0, 0, 0, 0]
+    assert all(len(r.held) == 1 for r in reqs)
+    # 1 ms, then 38 ms later: the bucket is back to 2, two hand-offs, the longest waiting
+    # first
+    step(2, 0.003)
+    step(3, 0.0415)
     got = [_drain(r) for r in reqs]
     assert [len(g) for g in got] == [3, 3, 0, 0]  # each hand-off: all that waited, unmerged
     assert all(o.num_new_tokens == 1 for g in got for o in g)
     assert [o.completion_tokens for o in got[0]] == [2, 3, 4]
     # the next refill goes to the two that still wait (oldest first), not to 0 and 1 again
-    replies.stepped(0.070)
+    replies.refill(0.065)
+    replies.stepped()
     assert [len(_drain(r)) for r in reqs] == [0, 0, 3, 3]
 
 
@@ -100,8 +100,9 @@ def test_a_last_output_is_never_held_and_goes_out_behind_what_waited(tokenizer):
     texts = []
     for i, tok in enumerate(WORDS[:6]):
         _token(req, tok, last=i == 5)
-        replies.advanced(req, now=0.001 * i)
-        replies.stepped(0.001 * i)
+        replies.refill(0.001 * (i + 1))
+        replies.advanced(req)
+        replies.stepped()
         texts += [o.text for o in _drain(req)]
     assert len(texts) == 6 and req.held == []
     assert "".join(texts) == req.detok.text
@@ -112,15 +113,16 @@ def test_a_failure_or_an_end_flushes_what_waited_first(tokenizer):
     replies = Replies(write_rate=1.0)
     a, b = _request(core, 1), _request(core, 2)
     for r in (a, b):
-        for i, tok in enumerate(WORDS[:4]):
+        for tok in WORDS[:4]:
             _token(r, tok)
-            replies.advanced(r, 0.001 * i)
+            replies.advanced(r)
     replies.send(a, Failed(500, "boom"))
     got = _drain(a)
     assert [type(m) for m in got] == [Output] * 4 + [Failed]
     replies.flush(b)  # (as the batcher forgets a request)
     assert len(_drain(b)) == 4 and b.held == []
-    replies.stepped(10.0)  # nothing left waiting: nothing is sent twice
+    replies.refill(10.0)
+    replies.stepped()  # nothing left waiting: nothing is sent twice
     assert _drain(a) == [] and _drain(b) == []
 
 
@@ -130,5 +132,26 @@ def test_the_stream_interval_still_merges_tokens_into_one_output(tokenizer):
     req = _request(core, 1)
     for i, tok in enumerate(WORDS[:8]):
         _token(req, tok, last=i == 7)
-        replies.advanced(req, 0.001 * i)
+        replies.advanced(req)
     assert [o.num_new_tokens for o in _drain(req)] == [1, 3, 3, 1]
+
+
+def test_the_bucket_fills_with_time_and_holds_at_most_its_burst(tokenizer):
+    """Steps 1 ms apart earn 1 hand-off each at 1,000/s and Outputs wait; after an idle
+    second the bucket holds 20 (BURST_S), not 1,000: one burst, then waiting again."""
+    core = _core(tokenizer)
+    replies = Replies(write_rate=1000.0)
+    reqs = [_request(core, i) for i in range(8)]
+    now = 0.0
+    for k in range(12):
+        now += 1.0 if k == 6 else 0.001
+        replies.refill(now)
+        for r in reqs:
+            _token(r, WORDS[k])
+            replies.advanced(r)
+        replies.stepped()
+        if k in (5, 11):
+            assert any(r.held for r in reqs)
+    for r in reqs:
+        replies.flush(r)
+        assert [o.completion_tokens for o in _drain(r)] == list(range(1, 13))

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the last at once), as vLLM's --stream-interval: 1 sends each "
                         "token as it comes; larger sends fewer, bigger chunks, for less host "
                         "work per token at high concurrency")
-    c.add_argument("--stream-write-rate", type=float, default=16000.0,
+    c.add_argument("--stream-write-rate", type=float, default=8000.0,
                    help="hand-offs to streaming readers a second, per model, before tokens "
                         "wait to go out together (each still its own SSE event, the first "
                         "and the last never delayed): caps the host's write and wake-up work "

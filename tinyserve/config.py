@@ -245,7 +245,7 @@ class ServerConfig:
     overlap: bool = True  # plan each step while the previous one runs (async scheduling)
     stream_interval: int = 1  # a request's tokens go out every this many (first, last at once)
     # hand-offs to stream readers a second, per model (actors/replies.py); 0: no limit
-    stream_write_rate: float = 16000.0
+    stream_write_rate: float = 8000.0
     drain_timeout_s: float = 30.0  # SIGTERM: time running requests get to finish
     step_timeout_s: float = 60.0  # a step running longer is a wedged device: unhealthy
     max_failed_steps: int = 3  # this many failed steps in a row: unhealthy

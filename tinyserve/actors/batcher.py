@@ -246,6 +246,7 @@ class Batcher:
         if result.error:
             log.error("step %d failed: %s", result.step_id, result.error)
         now = time.monotonic()
+        self.replies.refill(now)
         tokens = 0  # vLLM's iteration tokens: see StepStats.num_tokens
         for req in self.core.process(plan, result):
             if req.seq.finish_reason == "error" and req.seq.error is not None:
@@ -268,10 +269,10 @@ class Batcher:
             times.extend((now,) * new)
             if req.request_id in self._after:  # its prompt is in the prefix cache now
                 self._release_after(req.request_id)
-            self.replies.advanced(req, now)
+            self.replies.advanced(req)
             if req.seq.is_finished:
                 self._end(req, req.seq.finish_reason)
-        self.replies.stepped(now)
+        self.replies.stepped()
         self._tick()
         self._emit_stats(tokens)
 

@@ -6,13 +6,17 @@ request's reply queue wakes its reader, which shapes what it finds there and wri
 the socket: per hand-off a task switch, a write and (on a loopback peer) the receiver's TCP
 work inside our ``send``, the largest costs a token has at a small model's step rate.
 
-So hand-offs are rationed: a token bucket of ``write_rate`` a second for the model's
-requests together. While it has tokens every Output goes out with the step that made it (a
-few streams, or slow steps: no change at all). Past it, Outputs wait on their request,
-oldest-waiting request first, and go out together in its next hand-off - each still its own
-Output, so a stream still gets one SSE event per token, in fewer, larger writes. A request's
-first Output and its last never wait (time to first token, and its end, are not delayed).
-At N busy streams a token waits at most about N / write_rate seconds.
+So hand-offs are rationed: a token bucket of ``write_rate`` per second of the model's
+steps, for its requests together. While it has tokens every Output goes out with the step
+that made it (a few streams, or slow steps: no change at all). Past it, Outputs wait on
+their request, longest-waiting request first, and go out together in its next hand-off -
+each still its own Output, so a stream still gets one SSE event per token, in fewer, larger
+writes. A request's first Output and its last never wait (time to first token, and its end,
+are not delayed). At N busy streams a token waits at most about N / write_rate seconds.
+
+The rate is the loop's, not the device's: set too high for the host, a loop that falls behind
+stretches the steps, earns more hand-offs per step and stays behind (16,000 a second on the
+2-vCPU development VM settled there in some runs, at 1.5x the CPU a token; 8,000 did not).
 """
 
 from __future__ import annotations
@@ -46,11 +50,18 @@ class Replies:
         self._rate = write_rate  # 0: every Output is handed over at once
         self._cap = max(write_rate * BURST_S, 1.0)
         self._budget = self._cap
-        self._refilled = 0.0
+        self._last = float("-inf")  # when the last step came back
         # requests with Outputs waiting, the longest-waiting first (dicts keep insertion order)
         self._waiting: dict[Request, None] = {}
 
-    def advanced(self, req: Request, now: float) -> None:
+    def refill(self, now: float) -> None:
+        """A step is back at ``now``: the hand-offs earned since the last (before
+        ``advanced``)."""
+        if self._rate:
+            since, self._last = now - self._last, now
+            self._budget = min(self._budget + self._rate * since, self._cap)
+
+    def advanced(self, req: Request) -> None:
         """A step gave it new tokens: its Output, if one is due, goes out or waits."""
         seq = req.seq
         if not (seq.is_finished or not req.sent_tokens
@@ -66,16 +77,12 @@ class Replies:
         req.held.append(out)
         if req not in self._waiting:
             self._waiting[req] = None
-            self._refill(now)
             if self._budget >= 1.0:  # room for it in this step's hand-offs
                 self._budget -= 1.0
                 self.flush(req)
 
-    def stepped(self, now: float) -> None:
+    def stepped(self) -> None:
         """After a step's results: hand over what the budget allows, longest waiting first."""
-        if not self._waiting:
-            return
-        self._refill(now)
         while self._waiting and self._budget >= 1.0:
             self._budget -= 1.0
             self.flush(next(iter(self._waiting)))
@@ -94,10 +101,6 @@ class Replies:
         held, req.held = req.held, []
         for out in held:
             reply(req, out)
-
-    def _refill(self, now: float) -> None:
-        self._budget = min(self._cap, self._budget + (now - self._refilled) * self._rate)
-        self._refilled = now
 
     # -- the Output ------------------------------------------------------------------------------
     @staticmethod
