@@ -88,3 +88,58 @@ def test_past_the_write_rate_streams_get_every_token_as_its_own_event_in_fewer_w
 def test_the_write_rate_is_validated():
     with pytest.raises(ValueError, match="stream_write_rate"):
         ServerConfig(stream_write_rate=-1)
+
+
+def test_held_outputs_compose_with_choices_logprobs_stop_strings_and_leaving_clients():
+    """A write rate of 50/s holds nearly everything: n=2 with logprobs and a stop string gets
+    the unlimited server's answer, event for event; clients that leave mid-stream while their
+    tokens wait free every block and slot; the server is idle after."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.server.inprocess import next_token
+
+    # the 11th and 12th tokens' text as the stop string: it ends the choices while their
+    # tokens wait
+    toks, last = [], 300
+    for pos in range(2, 14):
+        last = next_token(last, pos)
+        toks.append(last)
+    from tinyserve.models import STORIES260K
+    from tinyserve.text.tokenizer import Tokenizer
+    stop = Tokenizer(STORIES260K).decode(toks[10:12])
+    body = completion([1, 300], max_tokens=40, ignore_eos=True, n=2, logprobs=2, stop=[stop])
+
+    async def leaving(url):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json=completion(
+                    [1, 400], max_tokens=100, ignore_eos=True, stream=True)) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        return  # leaves after its first event, the rest held or unsent
+
+    answers = []
+    for rate in (0.0, 50.0):
+        srv = InProcessServer(FakeRunner(step_seconds=0.002), stream_write_rate=rate)
+        try:
+            async def main(url):
+                got = await asyncio.gather(stream(url, "/v1/completions", body),
+                                           *(leaving(url) for _ in range(6)))
+                return got[0]
+            events, done, _ = run(main(srv.url))
+            assert done
+            answers.append([[(c["index"], c["text"], c["finish_reason"],
+                              c["logprobs"]["tokens"] if c.get("logprobs") else None)
+                             for c in e.get("choices", ())] for e in events])
+            assert srv.wait_idle() == {"running": 0, "waiting": 0, "kv_usage": 0.0,
+                                       "requests": 0, "live": 0}
+        finally:
+            srv.stop()
+    # each choice's events alike (how the two choices interleave is timing)
+    per_choice = [{i: [c for e in a for c in e if c[0] == i] for i in (0, 1)} for a in answers]
+    assert per_choice[0] == per_choice[1]
+    for i in (0, 1):
+        events = per_choice[1][i]
+        assert events[-1][2] == "stop" and len(events) > 5
+        assert stop not in "".join(c[1] for c in events)
