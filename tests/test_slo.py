@@ -140,3 +140,12 @@ def test_idle_windows_are_calm_busy_windows_without_samples_are_not():
         clock.t += slo.window_s
         assert slo.tick(idle=True) is not None
     assert slo.level == 1
+
+
+def test_a_disabled_controller_keeps_no_samples():
+    """Without targets no window ever closes: samples kept would grow by one a token, for
+    as long as the server runs."""
+    off = SloController(None, None, max_limit=10)
+    for _ in range(1000):
+        off.observe(ttft=0.1, itls=(0.01, 0.0))
+    assert off._ttft == [] and off._itl == []

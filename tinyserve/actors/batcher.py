@@ -248,31 +248,38 @@ class Batcher:
         now = time.monotonic()
         self.replies.refill(now)
         tokens = 0  # vLLM's iteration tokens: see StepStats.num_tokens
-        for req in self.core.process(plan, result):
-            if req.seq.finish_reason == "error" and req.seq.error is not None:
-                self._constraint_failed(req)
-                continue
-            if req.seq.finish_reason == "error":
-                self.replies.send(req, Failed(500, "the engine failed while running this "
-                                              "request"))
-                self._end(req, None)
+        slo = self.slo if self.slo.enabled else None
+        replies, after = self.replies, self._after
+        for req in self.core.process(plan, result):  # (per token: kept lean)
+            seq = req.seq
+            if seq.finish_reason == "error":
+                if seq.error is not None:
+                    self._constraint_failed(req)
+                else:
+                    replies.send(req, Failed(500, "the engine failed while running this "
+                                             "request"))
+                    self._end(req, None)
                 continue
             times = req.token_times
-            new = max(req.seq.num_new, 1)  # (a verify's several tokens arrive together)
+            new = seq.num_new or 1  # (a verify's several tokens arrive together)
             if not req.internal:
-                if times:
-                    self.slo.observe(itls=(now - times[-1],) + (0.0,) * (new - 1))
-                else:
-                    self.slo.observe(ttft=now - req.arrival_time)
-                    tokens += req.seq.num_prompt_tokens
+                if not times:
+                    tokens += seq.num_prompt_tokens
+                    if slo is not None:
+                        slo.observe(ttft=now - req.arrival_time)
+                elif slo is not None:
+                    slo.observe(itls=(now - times[-1],) + (0.0,) * (new - 1))
                 tokens += new
-            times.extend((now,) * new)
-            if req.request_id in self._after:  # its prompt is in the prefix cache now
+            if new == 1:
+                times.append(now)
+            else:
+                times.extend((now,) * new)
+            if after and req.request_id in after:  # its prompt is in the prefix cache now
                 self._release_after(req.request_id)
-            self.replies.advanced(req)
-            if req.seq.is_finished:
-                self._end(req, req.seq.finish_reason)
-        self.replies.stepped()
+            replies.advanced(req)
+            if seq.is_finished:
+                self._end(req, seq.finish_reason)
+        replies.stepped()
         self._tick()
         self._emit_stats(tokens)
 

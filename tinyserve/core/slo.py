@@ -87,6 +87,8 @@ class SloController:
         return self.ttft_s is not None or self.itl_s is not None
 
     def observe(self, ttft: float | None = None, itls: tuple[float, ...] = ()) -> None:
+        if not self.enabled:  # (no window ever closes to take them: they would pile up)
+            return
         if ttft is not None:
             self._ttft.append(ttft)
         self._itl.extend(itls)
