@@ -84,6 +84,8 @@ class IncrementalDetokenizer:
                  stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
                  include_stop: bool = False, min_tokens: int = 0) -> None:
         self._tok = tokenizer
+        pieces = tokenizer.stream_pieces
+        self._pieces_of = pieces.text if pieces.enabled else lambda _: None
         self._include_stop = include_stop  # vLLM's include_stop_str_in_output
         self._unchecked = min_tokens  # vLLM: no stop string ends the output before min_tokens
         self._ids = list(prompt_ids)
@@ -132,7 +134,19 @@ class IncrementalDetokenizer:
         self._unchecked -= 1
         if self._skip and token_id in self._tok.special_ids:
             return  # decodes to nothing: kept out of the window, so a run of them costs O(1)
-        self._ids.append(token_id)
+        ids = self._ids
+        if self._complete == self._read == len(ids):  # nothing held back: maybe the fast path
+            text = self._pieces_of(token_id)
+            if text is not None and ids and self._pieces_of(ids[-1]) is not None:
+                # plain after plain: a decode would only append its text (stream_pieces.py).
+                # The token is the next window's start (decoded alone if that window needs
+                # it: a SentencePiece decode strips a leading space)
+                ids.append(token_id)
+                self._prefix, self._prefix_text = len(ids) - 1, None
+                self._read = self._complete = len(ids)
+                self._append(text)
+                return
+        ids.append(token_id)
         if self._prefix_text is None:
             self._prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         prefix_text = self._prefix_text

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tinyserve.gguf_file import is_gguf
 from tinyserve.text.chat_template import ContentSpecials, compile_chat_template
 from tinyserve.text.gguf_tokenizer import gguf_tokenizer
+from tinyserve.text.stream_pieces import StreamPieces
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class Tokenizer:
         # special-token text as text (built lazily), for a piece at the prompt's start or not
         self._plain_toks: dict[bool, HFTokenizer] = {}
         self._plain_lock = threading.Lock()
+        # each plain token's text, for the detokenizer's fast path (stream_pieces.py)
+        self.stream_pieces = StreamPieces(self._tok)
 
     def _normalize(self, text: str) -> str:
         norm = self._tok.normalizer
