@@ -64,8 +64,8 @@ class Replies:
     def advanced(self, req: Request) -> None:
         """A step gave it new tokens: its Output, if one is due, goes out or waits."""
         seq = req.seq
-        if not (seq.is_finished or not req.sent_tokens
-                or seq.num_output_tokens - req.sent_tokens >= self._interval):
+        if self._interval > 1 and not (seq.is_finished or not req.sent_tokens or
+                                       seq.num_output_tokens - req.sent_tokens >= self._interval):
             return
         first = not req.sent_tokens
         out = self._output(req)
@@ -108,8 +108,9 @@ class Replies:
         """The text and tokens new since the last Output: O(new tokens), whatever the history.
         None: nothing to show yet (e.g. half a UTF-8 character held back)."""
         seq = req.seq
-        text = req.detok.stream_delta(final=seq.is_finished)
-        n_out = seq.num_output_tokens
+        finished = seq.is_finished
+        text = req.detok.stream_delta(finished)
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
         new = n_out - req.sent_tokens
         p = seq.params
         ids: tuple[int, ...] = ()
@@ -120,7 +121,7 @@ class Replies:
                 tokens = tuple(TokenInfo(t, lp, top or ()) for t, (lp, top) in zip(
                     ids, seq.logprobs[req.sent_tokens:], strict=True))
         req.sent_tokens = n_out
-        if not text and not ids and not seq.is_finished:
+        if not text and not ids and not finished:
             return None
         prompt_lps, ranks = None, ()
         if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
@@ -129,13 +130,11 @@ class Replies:
             prompt_lps = (None,) + tuple(TokenInfo(prompt[i + 1], lp, top)
                                          for i, (lp, _, top) in enumerate(seq.prompt_lps))
             ranks = tuple(rank for _, rank, _ in seq.prompt_lps)
-        return Output(
-            text=text, tokens=tokens, num_new_tokens=new,
-            finish_reason=seq.finish_reason if seq.is_finished else None,
-            prompt_tokens=seq.num_prompt_tokens, completion_tokens=n_out,
-            cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_lps,
-            prompt_ranks=ranks, stop_reason=_stop_reason(req),
-            token_ids=ids if p.return_token_ids else ())
+        # (positional, in Output's field order: one of these per streamed token)
+        return Output(text, tokens, new, seq.finish_reason if finished else None,
+                      seq.num_prompt_tokens, n_out, seq.num_cached_tokens, prompt_lps, ranks,
+                      _stop_reason(req) if finished else None,
+                      ids if p.return_token_ids else ())
 
 
 def _stop_reason(req: Request) -> str | int | None:

@@ -115,6 +115,11 @@ class Shaper(abc.ABC):
         prompt, done = len(self.prompts[index // self.n]), self._generated[index]
         return Usage(prompt, done, prompt + done)
 
+    def plain(self, index: int) -> bool:
+        """Whether an Output that is text alone (no finish, tokens or ids) becomes one chunk
+        that differs by its text only and changes nothing here (sse.Events' templates)."""
+        return False
+
     def opening(self) -> list[msgspec.Struct]:
         return []
 
@@ -196,6 +201,10 @@ class CompletionShaper(Shaper):
         # the same streamed or not (text a stop string holds back does not shift it)
         self._offsets = [0] * choices
         self._started = [False] * choices  # its first chunk is out (the prompt's part in it)
+
+    def plain(self, index: int) -> bool:
+        return self._started[index] and not (self.want_logprobs or self.want_ids
+                                             or self.continuous)
 
     def _response(self, choices: list[CompletionChoice], use: Usage | None = None
                   ) -> CompletionResponse:
@@ -280,6 +289,10 @@ class ChatShaper(Shaper):
         super().__init__(*args, choices=choices, **kw)
         self.id = new_id("chatcmpl")
         self.tools = [ToolOutput(tools) for _ in range(choices)] if tools else None
+
+    def plain(self, index: int) -> bool:
+        return self.tools is None and not (self.want_logprobs or self.want_ids
+                                           or self.continuous)
 
     def _chunk(self, choices: list[ChatChunkChoice], use: Usage | None = None,
                prompt_ids: TokenIds = msgspec.UNSET) -> ChatCompletionChunk:
