@@ -155,3 +155,47 @@ def test_the_bucket_fills_with_time_and_holds_at_most_its_burst(tokenizer):
     for r in reqs:
         replies.flush(r)
         assert [o.completion_tokens for o in _drain(r)] == list(range(1, 13))
+
+
+def test_every_stream_waits_its_turn_whatever_its_place_in_the_step(tokenizer):
+    """100 streams, 50 hand-offs a step, the same order every step: each stream is handed
+    its Outputs every second or third step - none is served each step while the ones at
+    the back of the step wait to their end (their Outputs would all go out with the last)."""
+    core = EngineCore(CoreConfig(num_kv_blocks=2048, block_size=16, max_num_seqs=128,
+                                 max_num_batched_tokens=4096, max_model_len=128,
+                                 vocab_size=512, eos_token_ids=frozenset({2})), tokenizer)
+    replies = Replies(write_rate=5000.0)  # 50 per 10 ms step
+    reqs = [_request(core, i, max_tokens=40) for i in range(100)]
+    longest = [0] * 100
+    for k in range(30):
+        replies.refill(0.010 * (k + 1))
+        for r in reqs:
+            _token(r, WORDS[k % len(WORDS)])
+            replies.advanced(r)
+        replies.stepped()
+        for i, r in enumerate(reqs):
+            longest[i] = max(longest[i], len(r.held))
+            _drain(r)
+    assert max(longest) <= 3, sorted(longest)[-5:]
+
+
+def test_the_first_text_is_never_held_even_after_a_token_that_showed_none(tokenizer):
+    """A first token that shows nothing yet (here: "\\n" that may start the stop string
+    "\\n\\n"), then text: that text is the reader's first and goes out at once."""
+    core = _core(tokenizer)
+    replies = Replies(write_rate=1.0)
+    req = core.add_request(1, [1, 5], SamplingParams(max_tokens=20, ignore_eos=True,
+                                                     stop=("\n\n",)),
+                           reply_to=asyncio.Queue())
+    newline = tokenizer.encode("a\n", add_special_tokens=False)[-1]
+    replies.refill(0.0)
+    other = _request(core, 2)
+    _token(other, WORDS[1])
+    replies.advanced(other)  # its first Output: out at once, and the bucket is empty
+    assert len(_drain(other)) == 1
+    for tok in (newline, WORDS[0]):
+        _token(req, tok)
+        replies.advanced(req)
+    got = _drain(req)
+    assert [o.text for o in got] == ["\n" + tokenizer.decode([1, 5, newline, WORDS[0]])[
+        len(tokenizer.decode([1, 5, newline])):]] and req.held == []

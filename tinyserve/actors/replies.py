@@ -67,19 +67,19 @@ class Replies:
         if self._interval > 1 and not (seq.is_finished or not req.sent_tokens or
                                        seq.num_output_tokens - req.sent_tokens >= self._interval):
             return
-        first = not req.sent_tokens
         out = self._output(req)
         if out is None:
             return
-        if not self._rate or first or out.finish_reason is not None:
+        # the first text a reader sees (not the first token: that may have shown nothing)
+        if not self._rate or not req.handed or out.finish_reason is not None:
             self.send(req, out)
             return
+        # In line behind those already waiting, even when the bucket has room: a request
+        # served here, ahead of them, would take this step's hand-offs first every step
+        # (the steps' order is the same each time) and the last in it would wait to the end.
         req.held.append(out)
         if req not in self._waiting:
             self._waiting[req] = None
-            if self._budget >= 1.0:  # room for it in this step's hand-offs
-                self._budget -= 1.0
-                self.flush(req)
 
     def stepped(self) -> None:
         """After a step's results: hand over what the budget allows, longest waiting first."""
@@ -93,6 +93,7 @@ class Replies:
             self.flush(req)
         if self._rate:
             self._budget -= 1.0
+        req.handed = True
         reply(req, msg)
 
     def flush(self, req: Request) -> None:

@@ -27,6 +27,7 @@ class Request:
     sent_tokens: int = 0  # output tokens already handed to the reply queue
     prompt_logprobs_sent: bool = False
     held: list = field(default_factory=list)  # serving: Outputs waiting to go out (replies.py)
+    handed: bool = False  # serving: its reader has been handed something (replies.py)
 
     @property
     def request_id(self) -> int:
