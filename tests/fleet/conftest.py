@@ -81,10 +81,12 @@ def serve_events(limit: int = 20) -> str:
 
     logs = "/tmp/ray/session_latest/logs/serve/"
     lines = []
-    for path in sorted(glob.glob(logs + "controller_*.log") + glob.glob(logs + "replica_*.log")):
+    for path in sorted(glob.glob(logs + "controller_*.log") + glob.glob(logs + "replica_*.log")
+                       + glob.glob(logs + "proxy_*.log")):
         with open(path, errors="replace") as f:
             lines += [line[:300] for line in f if any(k in line for k in (
-                "Health check", "unhealthy", "stopping it", "died", "exited", "Traceback"))]
+                "Health check", "unhealthy", "stopping it", "died", "exited", "Traceback",
+                "Failed to get queue length"))]
     return "\n".join(lines[-limit:]) or "(no health-check events in Serve's logs)"
 
 

@@ -101,7 +101,8 @@ def test_prefixes_stay_on_one_replica_and_text_matches_one_server(fleet, single_
     for p, a in answers:
         homes[p].add(a.replica)
     assert all(len(h) == 1 for h in homes.values()), f"{dict(homes)}\n{serve_events()}"
-    assert len(set().union(*homes.values())) == 2, "both replicas should take prefixes"
+    assert len(set().union(*homes.values())) == 2, (
+        f"both replicas should take prefixes: {dict(homes)}\n{serve_events()}")
     single, fleet_rate = hit_rate(ref), hit_rate(answers)
     print(f"prefix-cache hit rate: single server {single:.3f}, fleet {fleet_rate:.3f}")
     assert single > 0.5
