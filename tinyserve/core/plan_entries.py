@@ -16,25 +16,33 @@ def plan_entry(seq: Sequence, n: int, eos_token_ids: frozenset[int]) -> Schedule
     samples it); a draw when they reach its end."""
     start = seq.num_computed_tokens + seq.num_inflight
     end = start + n
-    num_prompt = len(seq.prompt_token_ids)
     token_ids, pending = seq.token_ids, seq.num_pending
-    known = tuple(token_ids[start:end])
-    sample = end == len(token_ids) + pending
+    size = len(token_ids)
+    if n == 1:  # a decode: the token the step in flight samples, or the last one known
+        known = (token_ids[start],) if start < size else (PLACEHOLDER,)
+    else:
+        known = tuple(token_ids[start:end])
+        if len(known) != n:
+            known += (PLACEHOLDER,) * (n - len(known))
+    sample = end == size + pending
     first = seq.blocks_sent  # the runner keeps the table: send only blocks it lacks
     block_ids = seq.block_ids
+    num_blocks = len(block_ids)
     p = seq.params
+    num_prompt = len(seq.prompt_token_ids)
+    # (positional, in ScheduledSeq's field order; a greedy draw's seed is never read)
     entry = ScheduledSeq(
-        seq.seq_id, known if len(known) == n else known + (PLACEHOLDER,) * (n - len(known)),
-        start, tuple(block_ids[first:]) if first < len(block_ids) else (), sample, p,
-        mix_seed(seq.seed, len(token_ids) - num_prompt + pending), seq.num_preemptions,
-        first, lora_slot=seq.lora_slot)
-    if sample and p.needs_history:
+        seq.seq_id, known, start, tuple(block_ids[first:]) if first < num_blocks else (),
+        sample, p, mix_seed(seq.seed, size - num_prompt + pending) if seq.seeded else 0,
+        seq.num_preemptions, first, None, None, (), (), seq.lora_slot)
+    if sample and seq.history and p.needs_history:
         entry = with_history(entry, seq, eos_token_ids)
-    last = num_prompt - 1  # the last position whose next token is the prompt's
-    if p.prompt_logprobs is not None and len(seq.prompt_lps) < last and start < last:
-        entry = msgspec.structs.replace(
-            entry, prompt_targets=seq.prompt_token_ids[start + 1:min(end, last) + 1])
-    seq.blocks_sent = len(block_ids)
+    if p.prompt_logprobs is not None and start < num_prompt - 1:
+        last = num_prompt - 1  # the last position whose next token is the prompt's
+        if len(seq.prompt_lps) < last:
+            entry = msgspec.structs.replace(
+                entry, prompt_targets=seq.prompt_token_ids[start + 1:min(end, last) + 1])
+    seq.blocks_sent = num_blocks
     seq.num_inflight += n
     seq.num_pending = pending + sample
     return entry

@@ -100,6 +100,11 @@ class Scheduler:
         if seq.num_tokens >= self.cfg.max_model_len:
             raise FieldError("prompt", f"prompt: {seq.num_tokens} tokens leave no room to "
                              f"generate within max_model_len {self.cfg.max_model_len}")
+        p = seq.params
+        seq.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else
+                                                         self.cfg.eos_token_ids)
+        seq.token_limit = min(len(seq.prompt_token_ids) + p.max_tokens, self.cfg.max_model_len)
+        seq.history, seq.seeded = p.needs_history, not p.greedy
         self.seqs[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=_order)
         if not self._active[seq.tenant]:  # (re)joining: no credit for the time it was idle
@@ -304,9 +309,12 @@ class Scheduler:
         verifies: dict[int, ScheduledSeq] = {}
         updated = []
         prompt_lps = {pl.seq_id: pl for pl in result.prompt_logprobs}
+        seqs, running, kv = self.seqs, SeqStatus.RUNNING, self.kv  # (per sequence: kept lean)
+        commit = kv.commit if kv.enable_prefix_caching else None
+        drop = kv.drop_behind_window if kv.window is not None else None
         for s in plan.seqs:
-            seq = self.seqs.get(s.seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_preemptions != \
+            seq = seqs.get(s.seq_id)
+            if seq is None or seq.status is not running or seq.num_preemptions != \
                     s.epoch or seq.num_computed_tokens != s.start_pos:
                 continue
             seq.num_new = 0
@@ -314,16 +322,19 @@ class Scheduler:
                 self.finish(seq, "error")
                 updated.append(seq)
                 continue
-            seq.num_inflight -= len(s.token_ids)
+            n = len(s.token_ids)
+            seq.num_inflight -= n
             if s.num_drafts:  # a verify: computed as far as its draws agree (below)
                 seq.verifying = False
                 verifies[seq.seq_id] = s
                 live[seq.seq_id] = seq
                 seq.num_pending -= 1
                 continue
-            seq.num_computed_tokens += len(s.token_ids)
-            self.kv.commit(seq)
-            self.kv.drop_behind_window(seq)
+            seq.num_computed_tokens += n
+            if commit is not None:
+                commit(seq)
+            if drop is not None:
+                drop(seq)
             if s.prompt_targets and (pl := prompt_lps.get(s.seq_id)) is not None:
                 have = len(seq.prompt_lps) - pl.start_pos  # (a recompute brings some again)
                 if have >= 0:
@@ -338,6 +349,18 @@ class Scheduler:
             if out.error is not None:  # its constraints cannot go on: no token, an error
                 seq.error = (out.error_reason, out.error)
                 self.finish(seq, "error")
+                updated.append(seq)
+                continue
+            if not out.more and not verifies:  # one token: the common case, inline
+                token = out.token_id
+                seq.token_ids.append(token)
+                seq.num_new = 1
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append((out.logprob, out.top_logprobs))
+                if token in seq.stop_ids:
+                    self.finish(seq, "stop")
+                elif len(seq.token_ids) >= seq.token_limit:  # max_tokens, or max_model_len
+                    self.finish(seq, "length")
                 updated.append(seq)
                 continue
             verify = verifies.get(seq.seq_id)
@@ -364,10 +387,10 @@ class Scheduler:
             updated.append(seq)
         return updated
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (not p.ignore_eos and token in self.cfg.eos_token_ids) or token in p.stop_token_ids:
+    @staticmethod
+    def _stop_reason(seq: Sequence, token: int) -> str | None:
+        if token in seq.stop_ids:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+        if len(seq.token_ids) >= seq.token_limit:  # max_tokens out, or max_model_len
             return "length"
         return None
