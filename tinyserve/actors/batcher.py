@@ -264,7 +264,7 @@ class Batcher:
             new = seq.num_new or 1  # (a verify's several tokens arrive together)
             if not req.internal:
                 if not times:
-                    tokens += seq.num_prompt_tokens
+                    tokens += len(seq.prompt_token_ids)
                     if slo is not None:
                         slo.observe(ttft=now - req.arrival_time)
                 elif slo is not None:
@@ -277,7 +277,7 @@ class Batcher:
             if after and req.request_id in after:  # its prompt is in the prefix cache now
                 self._release_after(req.request_id)
             replies.advanced(req)
-            if seq.is_finished:
+            if seq.finish_reason is not None:  # (finished: is_finished, one call fewer)
                 self._end(req, seq.finish_reason)
         replies.stepped()
         self._tick()

@@ -50,8 +50,12 @@ from tinyserve.text.tokenizer import Tokenizer
 def logprob_entries(outs: Sequence[Output]) -> int:
     """Logprob entries these Outputs carry: the cost of shaping them into JSON (a prompt
     position counts its alternatives: the whole vocabulary with prompt_logprobs=-1)."""
-    return sum(len(o.tokens) + sum(1 + len(t.top) for t in o.prompt_logprobs or () if t)
-               for o in outs)
+    n = 0
+    for o in outs:  # (a loop, not nested generators: a stream asks once per batch it sends)
+        n += len(o.tokens)
+        if o.prompt_logprobs:
+            n += sum(1 + len(t.top) for t in o.prompt_logprobs if t)
+    return n
 
 
 def usage(out: Output) -> Usage:

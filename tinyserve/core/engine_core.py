@@ -142,6 +142,12 @@ class EngineCore:
         (EOS, stop_token_ids) ends the text without appearing in it, as in vLLM; it still
         counts as a completion token. A stop string ends it where it matches: a verify's
         tokens after that one are dropped, as plain decoding would never have drawn them."""
+        if seq.num_new == 1 and seq.finish_reason is None:  # a decode's token: the common case
+            detok = req.detok
+            detok.add(seq.token_ids[-1])
+            if detok.stopped:
+                self.scheduler.finish(seq, "stop")
+            return
         new = seq.token_ids[len(seq.token_ids) - seq.num_new:]
         for i, token in enumerate(new):
             if i == len(new) - 1 and seq.finish_reason == "stop" and self._stop_token(seq):

@@ -93,6 +93,8 @@ class IncrementalDetokenizer:
         self._complete = self._read  # the ids up to here decode to whole characters
         self._prefix_text: str | None = None  # decode(ids[prefix:read]) once known
         self._skip = skip_special_tokens
+        self._special = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._last_plain = False  # the last id is a plain token (the fast path's condition)
         self._prefix = self._char_start(max(len(self._ids) - self.WINDOW, 0))
         # An empty stop string marks no place to stop (the API rejects it); it is ignored.
         self._matchers = [_StopMatcher(s) for s in stop if s]
@@ -132,20 +134,21 @@ class IncrementalDetokenizer:
         if self.stopped:
             return
         self._unchecked -= 1
-        if self._skip and token_id in self._tok.special_ids:
+        if token_id in self._special:
             return  # decodes to nothing: kept out of the window, so a run of them costs O(1)
         ids = self._ids
-        if self._complete == self._read == len(ids):  # nothing held back: maybe the fast path
-            text = self._pieces_of(token_id)
-            if text is not None and ids and self._pieces_of(ids[-1]) is not None:
-                # plain after plain: a decode would only append its text (stream_pieces.py).
-                # The token is the next window's start (decoded alone if that window needs
-                # it: a SentencePiece decode strips a leading space)
-                ids.append(token_id)
-                self._prefix, self._prefix_text = len(ids) - 1, None
-                self._read = self._complete = len(ids)
-                self._append(text)
-                return
+        text = self._pieces_of(token_id)
+        last_plain, self._last_plain = self._last_plain, text is not None
+        if text is not None and self._complete == self._read == len(ids) and (
+                last_plain or (ids and self._pieces_of(ids[-1]) is not None)):
+            # plain after plain, nothing held back: a decode would only append its text
+            # (stream_pieces.py). The token is the next window's start (decoded alone if that
+            # window needs it: a SentencePiece decode strips a leading space)
+            ids.append(token_id)
+            self._prefix, self._prefix_text = len(ids) - 1, None
+            self._read = self._complete = len(ids)
+            self._append(text)
+            return
         ids.append(token_id)
         if self._prefix_text is None:
             self._prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
@@ -176,6 +179,8 @@ class IncrementalDetokenizer:
         self._pieces.append(piece)
         self._len += len(piece)
         self._joined = None
+        if not self._matchers:
+            return
         counts = self._unchecked <= 0  # vLLM: stop strings count from the min_tokens-th token
         # Every match ends inside the new piece (an earlier one would have stopped us), and a
         # stop string's first match in it is its earliest start: take the earliest over all.
@@ -220,8 +225,14 @@ class IncrementalDetokenizer:
         end = self._len
         if self._matchers and not final and not self.stopped:
             end -= max(m.state for m in self._matchers)
-        out: list[str] = []
         need = end - self._streamed
+        pieces = self._pieces
+        if need > 0 and not self._sent_off and self._sent_piece == len(pieces) - 1 and \
+                len(pieces[-1]) == need:  # exactly the newest piece: the common case
+            self._sent_piece += 1
+            self._streamed = end
+            return pieces[-1]
+        out: list[str] = []
         while need > 0:
             piece = self._pieces[self._sent_piece]
             take = piece[self._sent_off:self._sent_off + need]
