@@ -28,6 +28,7 @@ from tinyserve.actors.batcher import Batcher
 from tinyserve.actors.executor import Executor
 from tinyserve.actors.lanes import Lane, RequestHandle
 from tinyserve.actors.metrics import Metrics
+from tinyserve.actors.reply_queue import ReplyQueue
 from tinyserve.actors.supervisor import Supervisor
 from tinyserve.api.app import Api
 from tinyserve.api.context import Serving
@@ -260,7 +261,7 @@ class Server:
         and to probe a model that is down); RuntimeError if it fails. Cancelled (a probe's
         timeout), it is taken back out of wherever it is."""
         t0 = time.perf_counter()
-        handle = RequestHandle(rid, asyncio.Queue(maxsize=8))
+        handle = RequestHandle(rid, ReplyQueue(maxsize=8))
         prompt = (tokenizer.bos_token_id or 0,) * 2
         await self.admission.inbox.put(Submit(rid, prompt, SamplingParams(
             max_tokens=2, temperature=0.0, ignore_eos=True), time.monotonic(), handle,

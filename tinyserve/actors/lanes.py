@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tinyserve.actors.quotas import TenantQuotas
+from tinyserve.actors.reply_queue import ReplyQueue
 from tinyserve.core.slo import SloController
 from tinyserve.messages import Abort, Submit
 
@@ -67,7 +68,7 @@ class RequestHandle:
     """One request from the API accepting it to release: its reply queue and the slot it holds."""
 
     request_id: int  # the server's own id
-    replies: asyncio.Queue  # Accepted | Failed, then Outputs: the request's own, bounded
+    replies: ReplyQueue  # Accepted | Failed, then Outputs: the request's own, bounded
     lane: Lane | None = None  # set by admission: the model answering it
     generated: int = 0  # completion tokens the reader has seen (the rest is refunded)
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tinyserve.actors.reply_queue import ReplyQueue
 from tinyserve.core.request import Request
 from tinyserve.messages import Failed, Output, TokenInfo
 
@@ -64,7 +65,7 @@ class Replies:
     def advanced(self, req: Request) -> None:
         """A step gave it new tokens: its Output, if one is due, goes out or waits."""
         seq = req.seq
-        if self._interval > 1 and not (seq.is_finished or not req.sent_tokens or
+        if self._interval > 1 and not (seq.finish_reason is not None or not req.sent_tokens or
                                        seq.num_output_tokens - req.sent_tokens >= self._interval):
             return
         out = self._output(req)
@@ -100,6 +101,12 @@ class Replies:
         """Everything of the request's that waits, now (before a last reply, and as it ends)."""
         self._waiting.pop(req, None)
         held, req.held = req.held, []
+        if type(req.reply_to) is ReplyQueue:
+            try:
+                req.reply_to.put_many(held)  # (one call for the lot: the common case)
+                return
+            except asyncio.QueueFull:
+                pass  # (as many as fit, then reply's warning for each of the rest)
         for out in held:
             reply(req, out)
 
@@ -109,15 +116,16 @@ class Replies:
         """The text and tokens new since the last Output: O(new tokens), whatever the history.
         None: nothing to show yet (e.g. half a UTF-8 character held back)."""
         seq = req.seq
-        finished = seq.is_finished
+        finished = seq.finish_reason is not None  # (seq.is_finished: one call fewer a token)
         text = req.detok.stream_delta(finished)
-        n_out = len(seq.token_ids) - seq.num_prompt_tokens
+        num_prompt = len(seq.prompt_token_ids)
+        n_out = len(seq.token_ids) - num_prompt
         new = n_out - req.sent_tokens
         p = seq.params
         ids: tuple[int, ...] = ()
         tokens: tuple[TokenInfo, ...] = ()
         if new > 0 and (p.logprobs is not None or p.return_token_ids):
-            ids = tuple(seq.token_ids[seq.num_prompt_tokens + req.sent_tokens:])
+            ids = tuple(seq.token_ids[num_prompt + req.sent_tokens:])
             if p.logprobs is not None:
                 tokens = tuple(TokenInfo(t, lp, top or ()) for t, (lp, top) in zip(
                     ids, seq.logprobs[req.sent_tokens:], strict=True))
@@ -132,8 +140,8 @@ class Replies:
                                          for i, (lp, _, top) in enumerate(seq.prompt_lps))
             ranks = tuple(rank for _, rank, _ in seq.prompt_lps)
         # (positional, in Output's field order: one of these per streamed token)
-        return Output(text, tokens, new, seq.finish_reason if finished else None,
-                      seq.num_prompt_tokens, n_out, seq.num_cached_tokens, prompt_lps, ranks,
+        return Output(text, tokens, new, seq.finish_reason, num_prompt, n_out,
+                      seq.num_cached_tokens, prompt_lps, ranks,
                       _stop_reason(req) if finished else None,
                       ids if p.return_token_ids else ())
 

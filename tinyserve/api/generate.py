@@ -27,6 +27,7 @@ from aiohttp import web
 
 from tinyserve.actors.admission import too_many
 from tinyserve.actors.lanes import RequestHandle
+from tinyserve.actors.reply_queue import ReplyQueue
 from tinyserve.api.access_log import ACCESS, AccessInfo
 from tinyserve.api.context import CLIENT_ID, ApiContext, Serving
 from tinyserve.api.errors import ApiError
@@ -72,7 +73,7 @@ class Generator:
         if len(ids_of) > 1:
             _check_batch(serving, job, len(ids_of))
         replies = job.params.max_tokens + 8  # every Output it can get, an Accepted, a Failed
-        handles = [RequestHandle(next(self._ids), asyncio.Queue(maxsize=replies))
+        handles = [RequestHandle(next(self._ids), ReplyQueue(maxsize=replies))
                    for _ in ids_of]
         access = request.get(ACCESS)  # the first handle's outputs fill in its line
         if access is not None:
@@ -140,10 +141,9 @@ class Generator:
         batches: whatever has queued up by the time the reader comes back (a reader that lags
         behind the steps writes several tokens at once, not one write per token). A Failed
         becomes an ApiError."""
+        replies = h.replies
         while True:
-            msgs = [await h.replies.get()]
-            while not h.replies.empty() and len(msgs) < MAX_BATCH:
-                msgs.append(h.replies.get_nowait())
+            msgs = await replies.get_batch(MAX_BATCH)
             outs = []
             for msg in msgs:
                 if isinstance(msg, Failed):
@@ -153,14 +153,16 @@ class Generator:
                     raise ApiError.from_failed(msg)
                 h.generated = msg.completion_tokens or h.generated
                 outs.append((index, msg))
-                if access is not None:
-                    access.completion_tokens = h.generated
-                    access.first_output = access.first_output or time.monotonic()
-                    access.finish_reason = msg.finish_reason
                 if msg.finish_reason is not None:
-                    h.done = True
-                    yield outs
-                    return
+                    break
+            if access is not None:  # (once a batch: its last Output says where it stands)
+                access.completion_tokens = h.generated
+                access.first_output = access.first_output or time.monotonic()
+                access.finish_reason = msg.finish_reason
+            if msg.finish_reason is not None:
+                h.done = True
+                yield outs
+                return
             yield outs
 
     def fail_all(self, status: int, message: str, model: str | None = None) -> None:
