@@ -144,21 +144,19 @@ class Generator:
         replies = h.replies
         while True:
             msgs = await replies.get_batch(MAX_BATCH)
-            outs = []
+            outs: list[tuple[int, Output]] = []
             for msg in msgs:
                 if isinstance(msg, Failed):
                     h.done = True
                     if outs:
+                        _note(access, h, outs[-1][1])
                         yield outs
                     raise ApiError.from_failed(msg)
                 h.generated = msg.completion_tokens or h.generated
                 outs.append((index, msg))
                 if msg.finish_reason is not None:
                     break
-            if access is not None:  # (once a batch: its last Output says where it stands)
-                access.completion_tokens = h.generated
-                access.first_output = access.first_output or time.monotonic()
-                access.finish_reason = msg.finish_reason
+            _note(access, h, msg)
             if msg.finish_reason is not None:
                 h.done = True
                 yield outs
@@ -178,6 +176,14 @@ class Generator:
                 except asyncio.QueueFull:
                     h.replies.get_nowait()
             h.abort()  # (admitted: a live batcher may still run it)
+
+
+def _note(access: AccessInfo | None, h: RequestHandle, last: Output) -> None:
+    """The access line, once a batch of Outputs: its last one says where the request stands."""
+    if access is not None:
+        access.completion_tokens = h.generated
+        access.first_output = access.first_output or time.monotonic()
+        access.finish_reason = last.finish_reason
 
 
 def _check_batch(serving: Serving, job: Job, choices: int) -> None:

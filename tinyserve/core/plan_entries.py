@@ -33,9 +33,9 @@ def plan_entry(seq: Sequence, n: int, eos_token_ids: frozenset[int]) -> Schedule
     # (positional, in ScheduledSeq's field order; a greedy draw's seed is never read)
     entry = ScheduledSeq(
         seq.seq_id, known, start, tuple(block_ids[first:]) if first < num_blocks else (),
-        sample, p, mix_seed(seq.seed, size - num_prompt + pending) if seq.seeded else 0,
+        sample, p, mix_seed(seq.seed, size - num_prompt + pending) if not p.greedy else 0,
         seq.num_preemptions, first, None, None, (), (), seq.lora_slot)
-    if sample and seq.history and p.needs_history:
+    if sample and p.needs_history:
         entry = with_history(entry, seq, eos_token_ids)
     if p.prompt_logprobs is not None and start < num_prompt - 1:
         last = num_prompt - 1  # the last position whose next token is the prompt's

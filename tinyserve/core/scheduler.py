@@ -104,7 +104,6 @@ class Scheduler:
         seq.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else
                                                          self.cfg.eos_token_ids)
         seq.token_limit = min(len(seq.prompt_token_ids) + p.max_tokens, self.cfg.max_model_len)
-        seq.history, seq.seeded = p.needs_history, not p.greedy
         self.seqs[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=_order)
         if not self._active[seq.tenant]:  # (re)joining: no credit for the time it was idle

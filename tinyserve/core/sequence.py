@@ -75,13 +75,10 @@ class Sequence:
     draft_len: int = 0  # draft_model: positions its KV cache holds for this sequence
     num_new: int = 0  # tokens the last applied step appended (1, or more after a verify)
     # Read per token per step, so worked out once, by Scheduler.add (its params and the
-    # model's limits): the tokens that end it (EOS unless ignore_eos, stop_token_ids), the
-    # length at which it ends (max_tokens or max_model_len), whether its plan entries carry
-    # its history, and whether its draws are random (a greedy draw needs no seed).
+    # model's limits): the tokens that end it (EOS unless ignore_eos, stop_token_ids) and the
+    # length at which it ends (max_tokens or max_model_len).
     stop_ids: frozenset[int] = frozenset()
     token_limit: int = 0
-    history: bool = True
-    seeded: bool = True
 
     def __post_init__(self) -> None:
         if not self.token_ids:
