@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined (no-op on a GPU box)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not a package on the path
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/ is not a package on the path
 
 
 def main() -> None:

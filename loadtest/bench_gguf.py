@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the GGUF writer)
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/ (the GGUF writer)
 
 KERNEL = {"Int4Linear": "int4 group-wise (int4_matmul)", "Int8GroupLinear":
           "int8 group-wise (int8_group_matmul)", "Linear": "float (matmul)"}

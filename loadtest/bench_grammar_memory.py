@@ -24,7 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.server
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root: tests.server
 
 from tests.server.conftest import ServerProcess  # noqa: E402
 

@@ -84,7 +84,7 @@ def measure(model: Path, kv_cache_dtype: str, kv_memory: int, prompt_len: int, t
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tinyserve.__main__ import parse_size
+    from tinyserve.cli.values import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-cache-memory", type=parse_size, default=parse_size("2MiB"))

@@ -121,9 +121,9 @@ def fit(budget: int, weight_bytes: int, bytes_per_block: int, block_size: int, s
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tinyserve.__main__ import parse_size
+    from tests.quality import compare, mean_top_probability, score
+    from tinyserve.cli.values import parse_size
     from tinyserve.llm import LLM
-    from tinyserve.quality import compare, mean_top_probability, score
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=parse_size, default=parse_size("8MiB"),

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root
 
 from loadtest.bench_slo import open_loop  # noqa: E402
 from tests.server.conftest import metric_value  # noqa: E402

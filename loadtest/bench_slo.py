@@ -24,7 +24,8 @@ from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repo root
 
 from loadtest.bench_tenants import stream_one  # noqa: E402
 from tests.server.inprocess import FakeRunner, InProcessServer  # noqa: E402

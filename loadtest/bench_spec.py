@@ -21,10 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from tinyserve import LLM, SamplingParams  # noqa: E402
-from tinyserve.core.speculation import SpeculativeConfig  # noqa: E402
+from tinyserve.config import SpeculativeConfig  # noqa: E402
 
 PASSAGES = [
     "Lily went to the park with her mom. She saw a big red ball under a tree and ran to get it.",

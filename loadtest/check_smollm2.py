@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the 500 strings)
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/ (the 500 strings)
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Explain in one sentence what a CPU does.", "List three colors."]

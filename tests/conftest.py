@@ -25,6 +25,20 @@ import pytest  # noqa: E402
 
 from tinyserve.models import STORIES260K as STORIES_DIR  # noqa: E402  (ships in the package)
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The repo root must not be on sys.path: its kernels/ would stand in for an installed
+    package of that name (transformers >= 5.25 imports Hugging Face's ``kernels``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    if spec is not None and spec.origin and Path(spec.origin).parent == ROOT / "kernels":
+        raise pytest.UsageError(
+            "the repository root is on sys.path, so its kernels/ shadows the installed "
+            "`kernels` package: run `python -P -m pytest` or `pytest` (not `python -m pytest`)")
+
 
 @pytest.fixture(scope="session")
 def device() -> str:

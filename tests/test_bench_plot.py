@@ -1,11 +1,8 @@
 """loadtest/bench.py --plot draws its sweep: a PNG with both panels from the rows it printed."""
 
-import sys
-from pathlib import Path
+from tests.scripts import loadtest_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loadtest"))
-
-import bench  # noqa: E402
+bench = loadtest_script("bench")
 
 
 def row(**kw):

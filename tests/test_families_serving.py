@@ -106,10 +106,10 @@ def test_int8_int4_weights_and_int8_kv(name, tmp_path):
     """The quantized paths on a Qwen3 and a Gemma 2 config. int8 and int4 weights: the logits
     equal transformers' on the weights they dequantize to (the error is the format's, none
     ours), and greedy decode runs. The int8 KV cache: teacher-forced over a text the fp32
-    model sampled (tinyserve/quality.py), it agrees with fp32 on the top token as it does on
+    model sampled (tests/quality.py), it agrees with fp32 on the top token as it does on
     Llama (bench_quality) and is quantized for real. bench_quality --family reports the
     agreement of every format."""
-    from tinyserve.quality import compare, score
+    from tests.quality import compare, score
 
     hf = build(name, tmp_path)
     ids = prompt(1, 44)

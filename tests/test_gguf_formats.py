@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")
 
 from tests.gguf_writer import pack_q4_k, pack_q6_k  # noqa: E402
 from tinyserve.engine.gguf_quants import Quantized, decode  # noqa: E402
-from tinyserve.gguf_file import GGUFError, GGUFFile  # noqa: E402
+from tinyserve.formats.gguf import GGUFError, GGUFFile  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 ROWS, K = 6, 512

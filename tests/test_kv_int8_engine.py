@@ -2,21 +2,18 @@
 block pool's capacity for one --kv-cache-memory, and sequences that really run together."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.quality import compare, score
+from tests.scripts import loadtest_script
+from tinyserve.cli.models import build_models
 from tinyserve.config import EngineConfig
 from tinyserve.engine.kv_cache import KVCacheSpec
 from tinyserve.llm import LLM
 from tinyserve.messages import SamplingParams
 from tinyserve.models import STORIES260K
-from tinyserve.quality import compare, score
-from tinyserve.served_models import build_models
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loadtest"))
 
 REF = json.loads((STORIES260K / "reference.json").read_text())
 REF_IDS = REF["prompt_token_ids"] + REF["greedy_new_token_ids"]
@@ -84,7 +81,8 @@ def test_same_kv_cache_memory_gives_more_blocks(caplog):
 
 def test_int8_runs_at_least_1_9x_the_sequences_of_fp16_without_preemption(tmp_path):
     """The capacity benchmark at a small size: a head_dim-128 model, one 512 KiB budget."""
-    from bench_kv_capacity import measure, write_model
+    capacity = loadtest_script("bench_kv_capacity")
+    measure, write_model = capacity.measure, capacity.write_model
 
     model = write_model(tmp_path)
     rows = [measure(model, d, 512 << 10, 16, 16, one_more=False) for d in ("auto", "int8")]

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
-from tinyserve.__main__ import build_parser
 from tinyserve.actors.metrics import Metrics
-from tinyserve.config import load_tenants
+from tinyserve.cli.flags import build_parser
+from tinyserve.cli.tenants import load_tenants
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes these manifests target (preStop sleep: >= 1.30)

@@ -64,7 +64,7 @@ def alerts() -> list[dict]:
 
 def server_flags() -> set[str]:
     """Flags of the server and of the fleet launcher (python -m tinyserve.fleet)."""
-    from tinyserve.__main__ import build_parser
+    from tinyserve.cli.flags import build_parser
     from tinyserve.fleet.__main__ import build_parser as fleet_parser
 
     return {s for p in (build_parser(), fleet_parser()) for a in p._actions

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tinyserve.config import BUNDLED, EngineConfig, parse_fallback, parse_route
+from tinyserve.cli.models import build_models, parse_model_arg
+from tinyserve.cli.values import parse_fallback, parse_route
+from tinyserve.config import BUNDLED, EngineConfig, ModelSpec
 from tinyserve.core import routing
 from tinyserve.core.routing import Router, check_weights, describe, sticky_point
 from tinyserve.models import STORIES260K
-from tinyserve.served_models import ModelSpec, build_models, parse_model_arg
 
 KEYS = [f"default\0user-{i}" for i in range(1000)]
 W90 = (("a", 90.0), ("b", 10.0))
@@ -360,10 +361,10 @@ def test_kv_reserve_bytes_counts_later_models_weights(tmp_path):
 def test_weight_estimate_bounds_what_loads(quantization):
     import torch
 
+    from tinyserve.cli.models import _weight_bytes
     from tinyserve.engine.loader import load_weights
     from tinyserve.engine.model_config import load_model_config
     from tinyserve.models import STORIES260K
-    from tinyserve.served_models import _weight_bytes
 
     loaded = load_weights(STORIES260K, load_model_config(STORIES260K), torch.float32, "cpu",
                           quantization).nbytes()

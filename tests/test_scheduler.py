@@ -11,9 +11,8 @@ import hashlib
 
 import pytest
 
-from tinyserve.config import min_kv_blocks
 from tinyserve.core.block_pool import BlockPool
-from tinyserve.core.kv_manager import KVCacheManager
+from tinyserve.core.kv_manager import KVCacheManager, min_kv_blocks
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.sequence import Sequence
 from tinyserve.messages import SamplingParams, SeqOutput, StepPlan, StepResult

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.core.speculation import SpeculativeConfig
+from tinyserve.config import SpeculativeConfig
 from tinyserve.messages import GrammarSpec
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside. "

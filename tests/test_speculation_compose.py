@@ -7,7 +7,7 @@ import pytest
 
 from tests.test_speculation import PROMPTS, STORY, draft, ngram, tokens
 from tinyserve import LLM, LoRARequest, SamplingParams
-from tinyserve.core.speculation import SpeculativeConfig
+from tinyserve.config import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ from tests.test_scheduler import (
     make_scheduler,
     run,
 )
+from tinyserve.cli.values import parse_speculative_config
+from tinyserve.config import SpeculativeConfig
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.spec_state import Acceptance, NgramIndex
-from tinyserve.core.speculation import SpeculativeConfig, parse_speculative_config
 from tinyserve.messages import SeqOutput, StepPlan, StepResult
 
 

@@ -91,7 +91,7 @@ def test_int8_agrees_with_float32_under_teacher_forcing(stories_dir, reference, 
 def test_int4_agrees_with_float32_under_teacher_forcing(stories_dir, reference, llm, kv):
     """int4 group-wise weights (group 128, zero points, clip search), alone and with the int8
     KV cache: agreement with fp32's top token over the reference text (52 predictions)."""
-    from tinyserve.quality import compare, score
+    from tests.quality import compare, score
 
     ids = reference["prompt_token_ids"] + reference["greedy_new_token_ids"]
     q = LLM(str(stories_dir), dtype="float32", quantization="int4", kv_cache_dtype=kv)
@@ -113,6 +113,6 @@ def _argmax_every_position(llm, ids):
 
 def test_reference_json_is_what_transformers_makes_today(capsys):
     """The script that regenerates reference.json runs, and agrees with the file in the repo."""
-    from tinyserve.models.make_reference import main
+    from tests.make_reference import main
 
     assert main(["--check"]) == 0, capsys.readouterr().out

@@ -11,9 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_actors import Graph
-from tinyserve.__main__ import build_parser, main
 from tinyserve.actors.lanes import RequestHandle
 from tinyserve.actors.metrics import Metrics
+from tinyserve.cli.flags import build_parser
+from tinyserve.cli.main import main
 from tinyserve.config import ServerConfig
 from tinyserve.engine.demo import write_tokenizer
 from tinyserve.messages import RequestFinished, SamplingParams, StepStats, Submit

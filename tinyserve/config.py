@@ -5,11 +5,8 @@ Validation errors name the bad field, so CLI and API users see which knob is wro
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
-
-from tinyserve.core.speculation import SpeculativeConfig
 
 BUNDLED = "stories260k"  # as a model directory: the model inside the package (if no such dir)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -19,6 +16,50 @@ METRICS_NAMESPACES = ("tinyserve", "vllm")  # the prefix of every Prometheus ser
 TOOL_CALL_PARSERS = ("auto", "llama3_json", "hermes")  # auto: hermes if the template says
 # chat content's special-token text: plain text (default), or parsed as transformers/vLLM do
 SPECIAL_TOKENS_IN_CONTENT = ("text", "parse")
+
+
+# -- speculative decoding (vLLM's --speculative-config; core/speculation.py runs it) ------------
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+REFUSED_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
+                               "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp", "suffix")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # n-gram: the longest suffix looked up in the history
+    prompt_lookup_min: int = 2  # ... the shortest
+    model: str | None = None  # draft_model: its checkpoint (same tokenizer as the target)
+    quantization: str | None = None  # draft_model: its weights' format (int4: a cheap self-draft)
+    # No speculation in steps with more running sequences than this (on a full batch a
+    # verify step costs more than it saves)
+    disable_by_batch_size: int = 8
+    # A request whose draft tokens are accepted less than this often (a running mean over
+    # its verify steps) stops speculating: its proposals are not paying for their positions
+    min_acceptance: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method in REFUSED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method {self.method!r} is not supported: it "
+                             "needs a trained head; ngram and draft_model are")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError("speculative_config.method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 32:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
+                             "prompt_lookup_max <= 32")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: a draft_model needs its checkpoint")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config.model is for method draft_model")
+        if self.disable_by_batch_size < 1 or not 0 <= self.min_acceptance < 1:
+            raise ValueError("speculative_config: disable_by_batch_size >= 1 and "
+                             "min_acceptance in [0, 1)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,49 +156,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # served model names and aliases
-
-
-def min_kv_blocks(max_model_len: int, block_size: int, window: int | None,
-                  max_num_batched_tokens: int) -> int:
-    """The fewest KV blocks that let any one sequence run alone: its whole context, or with a
-    window on every layer (blocks behind it given back), the window behind its next token plus
-    a step in flight and the step being planned (each at most the token budget), one block of
-    slack at either end. The engine sizes against it; the scheduler relies on it (preemption
-    always ends)."""
-    whole = -(-max_model_len // block_size)
-    if window is None:
-        return whole
-    span = window - 1 + 2 * max_num_batched_tokens
-    return min(whole, -(-span // block_size) + 1)
-
-
-def parse_route(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:
-    """``--route ALIAS=NAME:WEIGHT,NAME:WEIGHT``."""
-    alias, sep, rest = text.partition("=")
-    if not sep or not NAME_PATTERN.match(alias):
-        raise ValueError(f"--route {text}: expected ALIAS=NAME:WEIGHT,NAME:WEIGHT")
-    targets = []
-    for part in rest.split(","):
-        name, colon, weight = part.rpartition(":")
-        try:
-            w = float(weight)
-        except ValueError:
-            w = -1.0
-        if not colon or not name or not w >= 0 or w == float("inf"):
-            raise ValueError(f"--route {text}: {part!r} is not NAME:WEIGHT (weight >= 0)")
-        targets.append((name, w))
-    return alias, tuple(targets)
-
-
-def parse_fallback(text: str) -> tuple[str, str]:
-    """``--fallback NAME=OTHER``."""
-    name, sep, other = text.partition("=")
-    if not sep or not name or not other:
-        raise ValueError(f"--fallback {text}: expected NAME=OTHER")
-    return name, other
-
-
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
     """One tenant: who it is (its API key), what it may use, how it is treated under load."""
@@ -207,30 +205,6 @@ class TenantConfig:
         import hashlib
 
         return hashlib.sha256((self.api_key or "").encode()).hexdigest()[:8]
-
-
-def load_tenants(path: str) -> tuple[TenantConfig, ...]:
-    """``--tenants FILE``: one ``[tenants.NAME]`` table per tenant (TOML)."""
-    import tomllib
-
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    tables = data.get("tenants")
-    if not isinstance(tables, dict) or not tables:
-        raise ValueError(f"{path}: expected one or more [tenants.NAME] tables")
-    known = set(TenantConfig.__dataclass_fields__) - {"name"}
-    tenants = []
-    for name, table in tables.items():
-        unknown = set(table) - known
-        if unknown:
-            raise ValueError(f"{path}: tenants.{name}: unknown keys {sorted(unknown)}")
-        if not isinstance(table.get("api_key"), str):
-            raise ValueError(f"{path}: tenants.{name}.api_key is required")
-        tenants.append(TenantConfig(name=name, **table))
-    keys = [t.api_key for t in tenants]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"{path}: two tenants share an api_key")
-    return tuple(tenants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,3 +289,11 @@ class ServerConfig:
         if self.metrics_namespace not in METRICS_NAMESPACES:
             raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
                              f"got {self.metrics_namespace!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One served model: the name clients send as ``model``, and how to load it."""
+
+    name: str
+    engine: EngineConfig

@@ -33,12 +33,11 @@ from tinyserve.actors.supervisor import Supervisor
 from tinyserve.api.app import Api
 from tinyserve.api.context import Serving
 from tinyserve.api.prompts import PromptParser
-from tinyserve.config import ServerConfig
+from tinyserve.config import ModelSpec, ServerConfig
 from tinyserve.core.adapters import AdapterRegistry
 from tinyserve.core.routing import Router, describe
 from tinyserve.core.slo import SloController
 from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
-from tinyserve.served_models import ModelSpec
 
 log = logging.getLogger(__name__)
 

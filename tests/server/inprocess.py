@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tinyserve.config import EngineConfig, ServerConfig
+from tinyserve.config import EngineConfig, ModelSpec, ServerConfig
 from tinyserve.engine.device_engine import EngineInfo
 from tinyserve.messages import PLACEHOLDER, SeqOutput, StepPlan, StepResult
 from tinyserve.models import STORIES260K
-from tinyserve.served_models import ModelSpec
 from tinyserve.server import Server
 from tinyserve.text.tokenizer import Tokenizer
 

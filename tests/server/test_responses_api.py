@@ -188,7 +188,7 @@ TENANTS_FILE = '[tenants.a]\napi_key = "ka"\n[tenants.b]\napi_key = "kb"\n'
 
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory):
-    from tinyserve.config import load_tenants
+    from tinyserve.cli.tenants import load_tenants
 
     path = tmp_path_factory.mktemp("resp") / "tenants.toml"
     path.write_text(TENANTS_FILE)

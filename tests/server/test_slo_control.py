@@ -5,7 +5,7 @@ windows after convergence, and its goodput is at least 1.5x that of the same ser
 
 import pytest
 
-from loadtest.bench_slo import run
+from tests.scripts import loadtest_script
 
 # Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
 pytestmark = pytest.mark.serial
@@ -16,6 +16,7 @@ def test_slo_control_keeps_ttft_and_goodput_under_twice_the_capacity():
     # 264 by x0.7 every other window: 9-11 s here; one CI run still missed 2 windows judged
     # from 12 s): 20 windows, so "95%" allows one miss (a second of hiccup on a shared CI
     # machine) instead of none. window_p95_ms in the failure message shows which missed.
+    run = loadtest_script("bench_slo").run
     without = run(phase_seconds=6, slo_ttft_ms=None, last_phase_seconds=34, converge_s=14)
     with_slo = run(phase_seconds=6, slo_ttft_ms=400, last_phase_seconds=34, converge_s=14)
     met, windows = with_slo["windows_meeting_target"]

@@ -11,8 +11,8 @@ import pytest
 from tests.server.conftest import get, metric_value
 from tests.server.helpers import MODEL, chat, completion, post, stream
 from tests.server.inprocess import InProcessServer
-from tinyserve.config import EngineConfig
-from tinyserve.core.speculation import SpeculativeConfig, parse_speculative_config
+from tinyserve.cli.values import parse_speculative_config
+from tinyserve.config import EngineConfig, SpeculativeConfig
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside. "
          "Once upon a time, there was a little")

@@ -8,10 +8,12 @@ import threading
 import aiohttp
 import pytest
 
+from tests.scripts import loadtest_script
 from tests.server.helpers import MODEL, post
 from tests.server.inprocess import FakeRunner, InProcessServer
 from tinyserve.actors.quotas import TenantQuotas, TokenBucket
-from tinyserve.config import TenantConfig, load_tenants
+from tinyserve.cli.tenants import load_tenants
+from tinyserve.config import TenantConfig
 
 # Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
 pytestmark = pytest.mark.serial
@@ -173,7 +175,7 @@ def test_a_quiet_tenant_keeps_its_ttft_next_to_a_flooder():
     """Acceptance (issue 7): same priority, one tenant at 10x the other's rate. The flooder
     gets 429s, nothing is lost, and the quiet tenant is never starved: its p95 TTFT stays
     within 1.5x of its unloaded value (plus one step of slack for timing noise on 2 cores)."""
-    from loadtest.bench_tenants import run
+    run = loadtest_script("bench_tenants").run
 
     r = run(seconds=5, rate=3.0, step_ms=100)
     assert r["flood_429"] > 0 and r["flood_200"] > 0
@@ -237,7 +239,7 @@ def test_under_kv_pressure_high_priority_keeps_its_ttft_and_low_priority_still_f
     requests are preempted and still complete with their solo text. (The slack was one step
     while a CPU step's result waited behind the next step, which made the unloaded TTFT a
     step longer too: 48-169 ms alone then, 27 ms now.)"""
-    from loadtest.bench_tenants import stream_one
+    stream_one = loadtest_script("bench_tenants").stream_one
 
     tenants = (TenantConfig("hi", "key-hi", priority=10), TenantConfig("lo", "key-lo"))
     srv = InProcessServer(FakeRunner(step_seconds=0.02), tenants=tenants, num_kv_blocks=24,

@@ -11,13 +11,13 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tinyserve.config import SpeculativeConfig
 from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.request import Request
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
 from tinyserve.core.sequence import Sequence
-from tinyserve.core.speculation import SpeculativeConfig
 from tinyserve.messages import (
     FULL_VOCAB,
     MAX_LOGPROBS,

@@ -20,6 +20,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def min_kv_blocks(max_model_len: int, block_size: int, window: int | None,
+                  max_num_batched_tokens: int) -> int:
+    """The fewest KV blocks that let any one sequence run alone: its whole context, or with a
+    window on every layer (blocks behind it given back), the window behind its next token plus
+    a step in flight and the step being planned (each at most the token budget), one block of
+    slack at either end. The engine sizes against it; the scheduler relies on it (preemption
+    always ends)."""
+    whole = -(-max_model_len // block_size)
+    if window is None:
+        return whole
+    span = window - 1 + 2 * max_num_batched_tokens
+    return min(whole, -(-span // block_size) + 1)
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True,
                  window: int | None = None) -> None:

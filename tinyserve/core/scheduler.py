@@ -34,12 +34,12 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-from tinyserve.config import min_kv_blocks
-from tinyserve.core.kv_manager import KVCacheManager
+from tinyserve.config import SpeculativeConfig
+from tinyserve.core.kv_manager import KVCacheManager, min_kv_blocks
 from tinyserve.core.lora_slots import LoraSlots
 from tinyserve.core.plan_entries import plan_entry, verify_entry
 from tinyserve.core.sequence import SeqStatus, Sequence
-from tinyserve.core.speculation import SpeculativeConfig, Speculator
+from tinyserve.core.speculation import Speculator
 from tinyserve.messages import FieldError, ScheduledSeq, StepPlan, StepResult
 
 log = logging.getLogger(__name__)

@@ -24,73 +24,14 @@ prefix hashes cover computed tokens only.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tinyserve.config import SpeculativeConfig
 from tinyserve.core.spec_state import NgramIndex
 from tinyserve.messages import DRAFT
 
 if TYPE_CHECKING:  # (a sequence holds its speculation state from spec_state.py: no circle)
     from tinyserve.core.sequence import Sequence
-
-METHODS = ("ngram", "draft_model")
-REFUSED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp",
-                   "ernie_mtp", "qwen3_next_mtp", "suffix")
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4  # n-gram: the longest suffix looked up in the history
-    prompt_lookup_min: int = 2  # ... the shortest
-    model: str | None = None  # draft_model: its checkpoint (same tokenizer as the target)
-    quantization: str | None = None  # draft_model: its weights' format (int4: a cheap self-draft)
-    # No speculation in steps with more running sequences than this (on a full batch a
-    # verify step costs more than it saves)
-    disable_by_batch_size: int = 8
-    # A request whose draft tokens are accepted less than this often (a running mean over
-    # its verify steps) stops speculating: its proposals are not paying for their positions
-    min_acceptance: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.method in REFUSED_METHODS:
-            raise ValueError(f"speculative_config.method {self.method!r} is not supported: it "
-                             "needs a trained head; ngram and draft_model are")
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, "
-                             f"got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16], "
-                             f"got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 32:
-            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
-                             "prompt_lookup_max <= 32")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model: a draft_model needs its checkpoint")
-        if self.method == "ngram" and self.model:
-            raise ValueError("speculative_config.model is for method draft_model")
-        if self.disable_by_batch_size < 1 or not 0 <= self.min_acceptance < 1:
-            raise ValueError("speculative_config: disable_by_batch_size >= 1 and "
-                             "min_acceptance in [0, 1)")
-
-
-def parse_speculative_config(text: str) -> SpeculativeConfig:
-    """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, ...}'``."""
-    try:
-        d = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--speculative-config: not JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError("--speculative-config: expected a JSON object")
-    fields = set(SpeculativeConfig.__dataclass_fields__)
-    unknown = set(d) - fields
-    if unknown:
-        raise ValueError(f"--speculative-config: unknown keys {sorted(unknown)} (known: "
-                         f"{', '.join(sorted(fields))})")
-    return SpeculativeConfig(**d)
-
 
 class Speculator:
     """The scheduler's proposer and tallies: draft tokens for a decode with nothing in

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinyserve.config import EngineConfig, min_kv_blocks
+from tinyserve.config import EngineConfig
 from tinyserve.core.adapters import ModelDims
+from tinyserve.core.kv_manager import min_kv_blocks
 from tinyserve.engine.device import select_device
-from tinyserve.gguf_file import is_gguf
+from tinyserve.formats.gguf import is_gguf
 from tinyserve.models import SMOLLM2
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class DeviceEngine:
         dtype = _resolve_dtype(cfg.dtype, self.device, mcfg.torch_dtype)
         if is_gguf(model_dir):
             from tinyserve.engine.gguf_weights import load_gguf_weights
-            from tinyserve.gguf_file import GGUFFile
+            from tinyserve.formats.gguf import GGUFFile
 
             weights = load_gguf_weights(GGUFFile(model_dir), mcfg, dtype, self.device,
                                         cfg.quantization, cfg.dequantize)

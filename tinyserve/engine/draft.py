@@ -112,7 +112,7 @@ def load_draft(path: str, quantization: str | None, target_vocab: int, target_to
     from tinyserve.engine.loader import load_weights
     from tinyserve.engine.model_config import load_model_config
     from tinyserve.engine.rope import rope_tables
-    from tinyserve.gguf_file import is_gguf
+    from tinyserve.formats.gguf import is_gguf
     from tinyserve.text.tokenizer import Tokenizer
 
     mcfg = load_model_config(path)
@@ -124,7 +124,7 @@ def load_draft(path: str, quantization: str | None, target_vocab: int, target_to
         raise ValueError("speculative_config.model: the draft's tokenizer is not the target's")
     if is_gguf(path):  # llama.cpp's file: its codes kept in the group-wise kernels
         from tinyserve.engine.gguf_weights import load_gguf_weights
-        from tinyserve.gguf_file import GGUFFile
+        from tinyserve.formats.gguf import GGUFFile
 
         weights = load_gguf_weights(GGUFFile(path), mcfg, dtype, device, quantization, False)
     else:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tinyserve.gguf_file import GGUFError, GGUFFile
+from tinyserve.formats.gguf import GGUFError, GGUFFile
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",

@@ -31,7 +31,7 @@ import torch
 from tinyserve.engine.gguf_quants import Quantized, decode
 from tinyserve.engine.loader import AnyLinear, Int4Linear, Int8GroupLinear, LayerWeights, Linear, ModelWeights
 from tinyserve.engine.model_config import ModelConfig, ModelLoadError
-from tinyserve.gguf_file import GGUFError, GGUFFile
+from tinyserve.formats.gguf import GGUFError, GGUFFile
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tinyserve.gguf_file import is_gguf
+from tinyserve.formats.gguf import is_gguf
 
 FAMILIES = {  # architecture -> model_type
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -206,7 +206,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
     model = Path(model)
     if is_gguf(model):
         from tinyserve.engine.gguf_config import gguf_raw_config
-        from tinyserve.gguf_file import GGUFError, GGUFFile
+        from tinyserve.formats.gguf import GGUFError, GGUFFile
 
         try:
             raw, gen = gguf_raw_config(GGUFFile(model))

@@ -77,7 +77,7 @@ class FleetConfig:
 
     def parsed_server_args(self):
         """server_args as the server will read them (its defaults filled in)."""
-        from tinyserve.__main__ import build_parser
+        from tinyserve.cli.flags import build_parser
 
         try:
             return build_parser().parse_args(self.server_args)

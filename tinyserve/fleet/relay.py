@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tinyserve.config import ServerConfig, TenantConfig, load_tenants
+from tinyserve.cli.tenants import load_tenants
+from tinyserve.config import ServerConfig, TenantConfig
 
 # Per-connection headers (RFC 9110 7.6.1) and ones the relaying HTTP stacks set themselves.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -38,7 +39,7 @@ class FleetRequest:
 def server_tenants(server_args: list[str]) -> tuple[TenantConfig, ...]:
     """The tenants (and keys) a replica's server accepts with these args (its --tenants
     file or --api-key, read where this runs: the ingress reads them as the replicas do)."""
-    from tinyserve.__main__ import build_parser
+    from tinyserve.cli.flags import build_parser
 
     args = build_parser().parse_args(server_args)
     tenants = load_tenants(args.tenants) if args.tenants else ()

@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from tinyserve.gguf_file import is_gguf
+from tinyserve.formats.gguf import is_gguf
 from tinyserve.text.chat_template import ContentSpecials, compile_chat_template
 from tinyserve.text.gguf_tokenizer import gguf_tokenizer
 from tinyserve.text.stream_pieces import StreamPieces

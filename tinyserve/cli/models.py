@@ -1,26 +1,18 @@
 """The served models: ``--model`` values (``DIR``, ``NAME=DIR,option=value``) into one
 ModelSpec each, with the KV budget split between them and the weights of the models still to
-load reserved. Pure Python (no torch), beside config.py."""
+load reserved. Pure Python (no torch)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-from tinyserve.config import NAME_PATTERN, EngineConfig
-from tinyserve.gguf_file import GGUFError, GGUFFile, held_bytes, is_gguf
+from tinyserve.cli.values import NAME_PATTERN
+from tinyserve.config import EngineConfig, ModelSpec
+from tinyserve.formats.gguf import GGUFError, GGUFFile, held_bytes, is_gguf
 
 MODEL_OPTIONS = ("quantization", "kv_cache_dtype", "kv_share", "max_model_len")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """One served model: the name clients send as ``model``, and how to load it."""
-
-    name: str
-    engine: EngineConfig
 
 
 def parse_model_arg(text: str) -> tuple[str | None, str, dict[str, str]]:
@@ -145,23 +137,3 @@ def _weight_bytes(path: str, options: dict[str, str]) -> int:
                 groups = -(-shape[1] // 128)
                 total += min(stored, shape[0] * groups * (64 + 5))
     return total
-
-
-def parse_lora_module(text: str) -> tuple[str, str, str | None]:
-    """``--lora-modules`` values, as vLLM's: ``NAME=DIR``, or a JSON object with ``name``,
-    ``path`` and ``base_model_name`` (several models: which one it adapts; None: the first)."""
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--lora-modules {text}: {e}") from None
-        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or \
-                not isinstance(d.get("path"), str) or set(d) - {"name", "path", "base_model_name"}:
-            raise ValueError(f"--lora-modules {text}: expected {{\"name\": ..., \"path\": ..., "
-                             "\"base_model_name\": ...}")
-        return d["name"], d["path"], d.get("base_model_name")
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules {text}: expected NAME=DIR")
-    return name, path, None

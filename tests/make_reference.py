@@ -1,8 +1,8 @@
 """Regenerate (or check) a model folder's reference.json with Hugging Face transformers.
 
-    python tinyserve/models/make_reference.py                 # rewrite stories260k's
-    python tinyserve/models/make_reference.py --check         # compare, exit 1 on a mismatch
-    python tinyserve/models/make_reference.py --model DIR --prompt "..." --new-tokens 48
+    python -m tests.make_reference                          # rewrite stories260k's
+    python -m tests.make_reference --check                  # compare, exit 1 on a mismatch
+    python -m tests.make_reference --model DIR --prompt "..." --new-tokens 48
 
 The golden tests compare tinyserve's greedy output with this file, so it must come from an
 independent implementation: transformers' LlamaForCausalLM on the CPU in float32.
@@ -17,7 +17,7 @@ import platform
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from tinyserve.models import STORIES260K
 
 
 def make_reference(model_dir: Path, prompt: str, new_tokens: int) -> dict:
@@ -77,7 +77,7 @@ def differences(old: dict, new: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=HERE / "stories260k")
+    ap.add_argument("--model", type=Path, default=STORIES260K)
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--check", action="store_true", help="compare with the file, write nothing")
