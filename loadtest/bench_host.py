@@ -59,12 +59,12 @@ def _stub_launches() -> int:
 def _runner(max_len: int, enforce_eager: bool, loras: int = 0):
     import torch
 
-    from tinyserve.engine.kv_cache import KVCacheSpec
-    from tinyserve.engine.loader import LayerWeights, Linear, ModelWeights
-    from tinyserve.engine.model import DecoderModel
-    from tinyserve.engine.model_config import ModelConfig
-    from tinyserve.engine.rope import rope_tables
-    from tinyserve.engine.runner import ModelRunner
+    from tinyserve.engine.loading.model_config import ModelConfig
+    from tinyserve.engine.model.decoder import DecoderModel
+    from tinyserve.engine.model.kv_cache import KVCacheSpec
+    from tinyserve.engine.model.rope import rope_tables
+    from tinyserve.engine.model.weights import LayerWeights, Linear, ModelWeights
+    from tinyserve.engine.running.runner import ModelRunner
 
     cfg = ModelConfig(**LLAMA3_8B)
     D, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -82,7 +82,7 @@ def _runner(max_len: int, enforce_eager: bool, loras: int = 0):
     lora = None
     if loras:
         from tinyserve.core.adapters import ModelDims
-        from tinyserve.engine.lora import LoraStacks
+        from tinyserve.engine.model.lora import LoraStacks
 
         lora = LoraStacks(ModelDims(cfg.num_layers, D, q, kv, I), loras, 16, dt, "cpu")
     model = DecoderModel(cfg, weights, rope_tables(cfg, max_len, "cpu"), lora=lora)

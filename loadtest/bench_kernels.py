@@ -67,7 +67,7 @@ def build_cases(s: dict, device: str) -> list[Case]:
     import torch
 
     import tinyserve.kernels as K
-    from tinyserve.engine.loader import quantize_int8
+    from tinyserve.engine.loading.quantize import quantize_int8
 
     dt = getattr(torch, s["dtype"])
     esz = torch.tensor([], dtype=dt).element_size()

@@ -33,7 +33,7 @@ HEAD_DIM_128 = {  # one KV head of Llama-3's width; small enough for the interpr
 
 
 def write_model(path: Path) -> Path:
-    from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
+    from tinyserve.engine.loading.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
 
     write_random_llama(path, {**DEMO_CONFIG, **HEAD_DIM_128})
     write_tokenizer(path)

@@ -56,7 +56,7 @@ def family_checkpoint(family: str, path) -> str:
     import torch
     import transformers
 
-    from tinyserve.engine.demo import write_tokenizer
+    from tinyserve.engine.loading.demo import write_tokenizer
 
     arch, kw = FAMILY_CONFIGS[family]
     cls = getattr(transformers, arch)
@@ -93,7 +93,7 @@ def llama3_8b_rows(budget: int, seq_len: int) -> list[dict]:
     the byte formulas (Linear / Int4Linear storage, KVCacheSpec), not measured: no GPU here."""
     import torch
 
-    from tinyserve.engine.kv_cache import KVCacheSpec
+    from tinyserve.engine.model.kv_cache import KVCacheSpec
 
     L, D, Hq, Hk, Dh, I, V = 32, 4096, 32, 8, 128, 14336, 128256
     outs = (Hq * Dh + 2 * Hk * Dh, D, 2 * I, D)  # fused qkv, o, gate_up, down

@@ -37,7 +37,7 @@ def write_base_and_adapters(root: Path, config, seed: int = 0) -> dict[str, Path
     import peft
     import transformers
 
-    from tinyserve.engine.demo import write_tokenizer
+    from tinyserve.engine.loading.demo import write_tokenizer
 
     torch.manual_seed(seed)
     base = root / "base"

@@ -16,7 +16,8 @@ from tinyserve.actors.executor import Executor
 from tinyserve.actors.lanes import Lane, RequestHandle
 from tinyserve.actors.metrics import Metrics
 from tinyserve.core.engine_core import CoreConfig, EngineCore
-from tinyserve.engine.demo import write_tokenizer
+from tinyserve.core.engines import StepFunction
+from tinyserve.engine.loading.demo import write_tokenizer
 from tinyserve.messages import (
     Abort,
     Accepted,
@@ -44,7 +45,7 @@ class Graph:
         self.core = EngineCore(cfg, tokenizer)
         self.fake = FakeExecutor(4)
         self.metrics = Metrics(64, 32)
-        self.executor = Executor({"m": execute or self._fake_step})
+        self.executor = Executor({"m": StepFunction(execute or self._fake_step)})
         self.batcher = Batcher(self.core, self.executor.inbox, self.metrics, capacity, model="m")
         self.executor.outboxes["m"] = self.batcher.inbox
         self.admission = Admission([Lane("m", self.batcher.inbox, capacity, 64)])
@@ -129,7 +130,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(tokenize
                 raise RuntimeError("CUDA error: an illegal memory access (simulated)")
             return fake_step(plan)
 
-        g.executor.runners["m"] = flaky
+        g.executor.runners["m"] = StepFunction(flaky)
         async with g:
             _, outs = await g.request(1)
             assert isinstance(outs[-1], Failed) and outs[-1].status == 500

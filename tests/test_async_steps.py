@@ -10,7 +10,7 @@ import pytest
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.actors.executor import Executor
-from tinyserve.engine.runner import ModelRunner
+from tinyserve.engine.running.runner import ModelRunner
 from tinyserve.messages import PLACEHOLDER, GrammarSpec, ScheduledSeq, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -96,6 +96,8 @@ def test_the_executor_launches_the_next_step_before_finishing_one(llms):
     order = []
 
     class Watched:
+        fills_on_device = True
+
         def launch(self, plan):
             order.append(("launch", plan.step_id))
             return OnTheDevice(runner.launch(plan))
@@ -136,6 +138,8 @@ def test_a_step_done_at_launch_is_finished_before_the_next_is_launched(llms):
     order = []
 
     class Watched:
+        fills_on_device = True
+
         def launch(self, plan):
             order.append(("launch", plan.step_id))
             return runner.launch(plan)
@@ -177,6 +181,8 @@ def test_a_step_that_needs_host_tokens_waits_for_the_one_before(llms):
     order = []
 
     class Watched:
+        fills_on_device = True
+
         def launch(self, plan):
             order.append(("launch", plan.step_id, plan.seqs[0].token_ids[-1] if plan.seqs
                           else None))

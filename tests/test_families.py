@@ -27,7 +27,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
-from tinyserve.engine.demo import write_tokenizer  # noqa: E402
+from tinyserve.engine.loading.demo import write_tokenizer  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402
 from tinyserve.messages import SamplingParams  # noqa: E402
 
@@ -217,7 +217,7 @@ def test_greedy_generation_and_logprobs_through_llm(family):
 
 def test_loader_reads_the_family_switches(family):
     """What the description says for each config (the numbers tests above rest on)."""
-    from tinyserve.engine.model_config import load_model_config
+    from tinyserve.engine.loading.model_config import load_model_config
 
     name, hf, path = family
     cfg = load_model_config(path)

@@ -75,7 +75,7 @@ def dequantized(hf, model):
     by (dequantized from its int8 / int4 storage): its reference."""
     import copy
 
-    from tinyserve.engine.loader import Int4Linear
+    from tinyserve.engine.model.weights import Int4Linear
     from tinyserve.kernels.int4_pack import dequantize_int4
 
     def w(lin) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from tests.gguf_writer import pack_q4_k, pack_q6_k  # noqa: E402
-from tinyserve.engine.gguf_quants import Quantized, decode  # noqa: E402
+from tinyserve.engine.loading.gguf_quants import Quantized, decode  # noqa: E402
 from tinyserve.formats.gguf import GGUFError, GGUFFile  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -81,7 +81,7 @@ def test_unsupported_types_are_refused_by_name():
 def test_each_kept_form_through_its_kernel(device, qtype):
     """Packed for the kernels as the loader packs them (gguf_weights.py): x @ W.T equals x @ the
     dequantized W within fp32 rounding."""
-    from tinyserve.engine.gguf_weights import _pack_int4
+    from tinyserve.engine.loading.gguf_weights import _pack_int4
     from tinyserve.kernels import int4_matmul, int8_group_matmul
 
     g = np.random.default_rng(int(qtype) + 10)
@@ -163,9 +163,9 @@ def test_fused_parts_of_mixed_types_are_held_exactly(device):
     """q / k / v in Q8_0, Q4_1 and Q6_K (groups of 32, 32 and 16; minimums in one): held as
     int8 codes at groups of 16, with minimums for all; x @ W.T equals x @ the three dequantized
     parts stacked."""
-    from tinyserve.engine.gguf_weights import _Reader
-    from tinyserve.engine.loader import Int8GroupLinear
-    from tinyserve.engine.model import linear
+    from tinyserve.engine.loading.gguf_weights import _Reader
+    from tinyserve.engine.model.linear import linear
+    from tinyserve.engine.model.weights import Int8GroupLinear
 
     g = np.random.default_rng(5)
     parts = []

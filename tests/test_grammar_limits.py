@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tinyserve.core.engine_core import check_sampling_vocabulary
-from tinyserve.engine.logits_processing import LogitsProcessors
+from tinyserve.engine.running.logits_processing import LogitsProcessors
 from tinyserve.messages import FieldError, GrammarSpec, SamplingParams, ScheduledSeq
 from tinyserve.text.grammar import MAX_CHOICES, GrammarCompiler, bitmask_words
 from tinyserve.text.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ from tests.quality import compare, score
 from tests.scripts import loadtest_script
 from tinyserve.cli.models import build_models
 from tinyserve.config import EngineConfig
-from tinyserve.engine.kv_cache import KVCacheSpec
+from tinyserve.engine.model.kv_cache import KVCacheSpec
 from tinyserve.llm import LLM
 from tinyserve.messages import SamplingParams
 from tinyserve.models import STORIES260K

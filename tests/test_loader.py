@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from tinyserve.config import EngineConfig
-from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
-from tinyserve.engine.loader import load_weights, quantize_int8
-from tinyserve.engine.model_config import ModelLoadError, load_model_config
-from tinyserve.engine.rope import inv_freq
+from tinyserve.engine.loading.checkpoint import load_weights
+from tinyserve.engine.loading.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
+from tinyserve.engine.loading.model_config import ModelLoadError, load_model_config
+from tinyserve.engine.loading.quantize import quantize_int8
+from tinyserve.engine.model.rope import inv_freq
 
 
 def rope_inv_freq(cfg):

@@ -110,7 +110,7 @@ def test_what_the_variants_read():
     """The numbers behind the cases above, read without running anything."""
     from pathlib import Path
 
-    from tinyserve.engine.model_config import model_config_from
+    from tinyserve.engine.loading.model_config import model_config_from
 
     where = Path("config.json")
     base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2,

@@ -14,8 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tinyserve.config import EngineConfig  # noqa: E402
-from tinyserve.engine.demo import write_tokenizer  # noqa: E402
 from tinyserve.engine.device_engine import DeviceEngine  # noqa: E402
+from tinyserve.engine.loading.demo import write_tokenizer  # noqa: E402
 from tinyserve.messages import SamplingParams, ScheduledSeq  # noqa: E402
 
 BLOCK = 16

@@ -32,7 +32,7 @@ class RecordOps(TorchDispatchMode):
 
 
 def test_engine_step_runs_no_torch_compute(tmp_path):
-    from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
+    from tinyserve.engine.loading.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
 
     write_random_llama(tmp_path, DEMO_CONFIG)
     write_tokenizer(tmp_path)

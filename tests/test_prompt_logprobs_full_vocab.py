@@ -15,7 +15,7 @@ from tinyserve.messages import MAX_PROMPT_LOGPROB_ENTRIES, FieldError, SamplingP
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory):
-    from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
+    from tinyserve.engine.loading.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
 
     path = tmp_path_factory.mktemp("demo")
     write_random_llama(path, DEMO_CONFIG)

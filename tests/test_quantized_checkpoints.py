@@ -22,16 +22,13 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from tests.test_model_vs_transformers import hf_logits, rel_l2, run_chunk  # noqa: E402
 from tinyserve.config import EngineConfig  # noqa: E402
-from tinyserve.engine.demo import write_tokenizer  # noqa: E402
 from tinyserve.engine.device_engine import DeviceEngine  # noqa: E402
-from tinyserve.engine.loader import (  # noqa: E402
-    Int4Linear,
-    checkpoint_quantization,
-    load_weights,
-    quantize_int4_linear,
-)
-from tinyserve.engine.model_config import ModelLoadError, load_model_config  # noqa: E402
-from tinyserve.engine.quantized_checkpoints import parse_quantization_config, repack  # noqa: E402
+from tinyserve.engine.loading.checkpoint import checkpoint_quantization, load_weights  # noqa: E402
+from tinyserve.engine.loading.demo import write_tokenizer  # noqa: E402
+from tinyserve.engine.loading.model_config import ModelLoadError, load_model_config  # noqa: E402
+from tinyserve.engine.loading.quantize import quantize_int4_linear  # noqa: E402
+from tinyserve.engine.loading.quantized_checkpoints import parse_quantization_config, repack  # noqa: E402
+from tinyserve.engine.model.weights import Int4Linear  # noqa: E402
 from tinyserve.kernels.int4_pack import unpack_int4  # noqa: E402
 
 G = 128

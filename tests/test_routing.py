@@ -362,8 +362,8 @@ def test_weight_estimate_bounds_what_loads(quantization):
     import torch
 
     from tinyserve.cli.models import _weight_bytes
-    from tinyserve.engine.loader import load_weights
-    from tinyserve.engine.model_config import load_model_config
+    from tinyserve.engine.loading.checkpoint import load_weights
+    from tinyserve.engine.loading.model_config import load_model_config
     from tinyserve.models import STORIES260K
 
     loaded = load_weights(STORIES260K, load_model_config(STORIES260K), torch.float32, "cpu",

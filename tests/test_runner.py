@@ -10,9 +10,10 @@ import torch
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.actors.executor import Executor
-from tinyserve.engine.block_tables import BlockTables
-from tinyserve.engine.buckets import decode_buckets
-from tinyserve.engine.warmup import eager_warm_shapes, warm_up
+from tinyserve.core.engines import StepFunction
+from tinyserve.engine.running.block_tables import BlockTables
+from tinyserve.engine.running.buckets import decode_buckets
+from tinyserve.engine.running.warmup import eager_warm_shapes, warm_up
 from tinyserve.kernels.utils import Recording, recording
 from tinyserve.messages import ScheduledSeq, StepPlan, StepResult
 
@@ -131,8 +132,8 @@ def test_greedy_is_identical_with_and_without_bucket_padding(llms):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # bit for bit: the padding never touches a real row
     runner = llms[False].engine.runner
-    assert {8, 4, 2, 1} <= {b for b, _ in runner.recorded}, "the padded path did not run"
-    assert not llms[True].engine.runner.recorded
+    assert {8, 4, 2, 1} <= {b for b, _ in runner.buckets.recorded}, "the padded path did not run"
+    assert not llms[True].engine.runner.buckets.recorded
 
 
 def test_sampled_requests_are_identical_with_and_without_padding(llms):
@@ -180,13 +181,13 @@ def test_warm_up_records_every_bucket_so_serving_records_none(stories_dir):
     # the interpreter: nothing to compile, buckets recorded lazily
     assert warm_up(runner)["buckets"] == ([1, 2, 4, 5] if on_gpu else [])
     info = warm_up(runner, compile_all=True)  # what a GPU runs
-    classes = runner.split_classes()
+    classes = runner.buckets.split_classes()
     assert info["buckets"] == [1, 2, 4, 5] and info["split_classes"] == classes
-    assert runner.recorded == {(b, c) for b in (1, 2, 4, 5) for c in classes}
+    assert runner.buckets.recorded == {(b, c) for b in (1, 2, 4, 5) for c in classes}
     # 6 variants x 4 bucket sizes x (raw, processed, masked, both), and prompt logprobs (2 x 4)
     assert info["cuda_graphs"] is on_gpu and info["sampling_variants"] == 6 * 4 * 4 + 2 * 4
     if on_gpu:  # every bucket captured at once, on this thread
-        assert info["graphs_captured"] in (0, len(runner.recorded))
+        assert info["graphs_captured"] in (0, len(runner.buckets.recorded))
     else:
         assert classes == [512]  # (CPU split 4096: the shapes below are the CPU's)
     # chunks of 16 and 17 alone, 16 rows of 32, then 1/2/15/16 decodes beside a chunk of 16,
@@ -197,24 +198,24 @@ def test_warm_up_records_every_bucket_so_serving_records_none(stories_dir):
         assert shapes[:3] == [((), (16,)), ((), (17,)), ((512,) * 15, (17,))]
         assert shapes[3:] == [((512,) * n, (16,)) for n in (1, 2, 15, 16)]
         assert info["eager_shapes"] == 7
-    recorded = runner.recorded
+    recorded = runner.buckets.recorded
     llm.generate(PROMPTS[:5], SamplingParams(max_tokens=6, temperature=0.0))
-    assert runner.recorded == recorded  # serving (which records what it lacks) added nothing
+    assert runner.buckets.recorded == recorded  # serving (which records what it lacks) added nothing
 
 
 def test_split_classes_round_the_longest_sequence_up_to_a_power_of_two_of_splits(llms):
-    runner = llms[False].engine.runner
+    buckets = llms[False].engine.runner.buckets
     from tinyserve.kernels.attention_decode import default_split_size
 
     split = default_split_size()
-    runner.max_model_len, saved = 5 * split, runner.max_model_len
+    buckets.max_model_len, saved = 5 * split, buckets.max_model_len
     try:
-        assert runner.split_classes() == [split, 2 * split, 4 * split, 5 * split]
-        assert runner._split_class(1) == split and runner._split_class(split + 1) == 2 * split
-        assert runner._split_class(3 * split) == 4 * split
-        assert runner._split_class(4 * split + 1) == 5 * split  # capped
+        assert buckets.split_classes() == [split, 2 * split, 4 * split, 5 * split]
+        assert buckets.split_class(1) == split and buckets.split_class(split + 1) == 2 * split
+        assert buckets.split_class(3 * split) == 4 * split
+        assert buckets.split_class(4 * split + 1) == 5 * split  # capped
     finally:
-        runner.max_model_len = saved
+        buckets.max_model_len = saved
 
 
 def test_a_budget_cut_one_token_prompt_chunk_next_to_decodes_runs_eager(stories_dir):
@@ -250,7 +251,7 @@ def test_executor_hands_a_plan_of_only_freed_rows_to_the_runner():
         return StepResult(plan.step_id, ())
 
     async def main():
-        ex = Executor({"m": runner})
+        ex = Executor({"m": StepFunction(runner)})
         out = asyncio.Queue()
         ex.outboxes["m"] = out
         ex.start()
@@ -265,7 +266,7 @@ def test_executor_hands_a_plan_of_only_freed_rows_to_the_runner():
 # -- a random GQA model against transformers ----------------------------------------------------
 def test_greedy_matches_transformers_with_and_without_padding(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tinyserve.engine.demo import write_tokenizer
+    from tinyserve.engine.loading.demo import write_tokenizer
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -289,4 +290,4 @@ def test_greedy_matches_transformers_with_and_without_padding(tmp_path):
         llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, enforce_eager=eager)
         got = [list(o.token_ids) for o in llm.generate(prompts, params)]
         assert got == want, f"enforce_eager={eager}"
-        assert bool(llm.engine.runner.recorded) != eager  # padded buckets 4, 2, 1 did run
+        assert bool(llm.engine.runner.buckets.recorded) != eager  # padded buckets 4, 2, 1 did run

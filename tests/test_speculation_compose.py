@@ -17,7 +17,7 @@ def plain(stories_dir):
 
 def test_greedy_on_a_random_gqa_model_is_the_same_with_both_proposers(tmp_path):
     """4 query heads over 2 KV heads, two layers: verify rows read the KV of grouped heads."""
-    from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
+    from tinyserve.engine.loading.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
 
     assert DEMO_CONFIG["num_attention_heads"] > DEMO_CONFIG["num_key_value_heads"]
     write_random_llama(tmp_path, DEMO_CONFIG, seed=5, std=0.3)
@@ -89,7 +89,7 @@ def test_speculation_stops_where_it_does_not_pay_and_above_the_batch_limit(stori
 # -- the distribution of sampled tokens ---------------------------------------------------
 
 def _tiny_model(path):
-    from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
+    from tinyserve.engine.loading.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
 
     write_random_llama(path, {**DEMO_CONFIG, "vocab_size": 12, "hidden_size": 32,
                               "intermediate_size": 48, "num_hidden_layers": 1,

@@ -16,7 +16,7 @@ from tinyserve.actors.metrics import Metrics
 from tinyserve.cli.flags import build_parser
 from tinyserve.cli.main import main
 from tinyserve.config import ServerConfig
-from tinyserve.engine.demo import write_tokenizer
+from tinyserve.engine.loading.demo import write_tokenizer
 from tinyserve.messages import RequestFinished, SamplingParams, StepStats, Submit
 from tinyserve.text.tokenizer import Tokenizer
 

@@ -19,7 +19,6 @@ import logging
 import signal
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from aiohttp import web
 
@@ -35,6 +34,7 @@ from tinyserve.api.context import Serving
 from tinyserve.api.prompts import PromptParser
 from tinyserve.config import ModelSpec, ServerConfig
 from tinyserve.core.adapters import AdapterRegistry
+from tinyserve.core.engines import Engine
 from tinyserve.core.routing import Router, describe
 from tinyserve.core.slo import SloController
 from tinyserve.messages import AbortAll, Failed, Output, SamplingParams, Submit
@@ -48,10 +48,10 @@ PROBE_STABLE_S = 60.0  # up this long after a probe: the next failure starts the
 
 class Server:
     def __init__(self, cfg: ServerConfig, models: Sequence[ModelSpec],
-                 engines: dict[str, Any] | None = None, freeze_heap: bool = False) -> None:
-        """``models``: what to serve (``served_models.build_models``). ``engines``: already built
-        engines by model name (``info``, ``tokenizer``, ``runner``: launch / finish, or
-        execute); tests pass fake ones. Models without one are built from their EngineConfig in ``load``."""
+                 engines: dict[str, Engine] | None = None, freeze_heap: bool = False) -> None:
+        """``models``: what to serve (``cli.models.build_models``). ``engines``: already built
+        engines by model name (core/engines.py's Engine; tests pass fake ones). Models
+        without one are built from their EngineConfig in ``load``."""
         self.cfg = cfg
         self.freeze_heap = freeze_heap  # gc.freeze once warmed up: only a process of its own
         self.models = tuple(models)
@@ -68,7 +68,7 @@ class Server:
         self._stop = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
-        self._tokenizers: dict[str, Any] = {}
+        self._tokenizers: dict[str, Engine] = {}
         self._probes: set[asyncio.Task] = set()
         self._probe_delay: dict[str, float] = {}  # the wait before a down model's next probe
         self._up_since: dict[str, float] = {}  # when a probe last brought a model back
@@ -103,7 +103,7 @@ class Server:
         self._start_actors(engines)
         roots = {spec.name: spec.engine.resolved_model for spec in self.models}
         parsers = {name: PromptParser(e.info.max_model_len, e.info.vocab_size, e.tokenizer,
-                                      roots[name], getattr(e, "grammars", None),
+                                      roots[name], e.grammars,
                                       self.cfg.tool_call_parser,
                                       self.cfg.special_tokens_in_content)
                    for name, e in engines.items()}
@@ -111,10 +111,9 @@ class Server:
                                    self.supervisor, self._adapters(engines))
         self._log_setup()
         for spec in self.models:
-            warm_up = getattr(engines[spec.name], "warm_up", None)
-            if warm_up is not None:  # every kernel specialization, before the first request,
-                # on the thread that runs the steps (CUDA graphs are captured there)
-                await self.executor.call_on_worker(warm_up)
+            # every kernel specialization, before the first request, on the thread that runs
+            # the steps (CUDA graphs are captured there)
+            await self.executor.call_on_worker(engines[spec.name].warm_up)
             await self._warm_up(spec.name, engines[spec.name].tokenizer)
         if self.freeze_heap:
             # Everything alive now (weights, kernels, tokenizers, the interpreter's caches)
@@ -131,7 +130,7 @@ class Server:
                      f", {info.quantization}" if info.quantization else "",
                      " - DEMO MODEL WITH RANDOM WEIGHTS" if info.random_weights else "")
 
-    def _start_actors(self, engines: dict[str, Any]) -> None:
+    def _start_actors(self, engines: dict[str, Engine]) -> None:
         """Metrics, the executor over every model's runner, a batcher and a lane per model,
         admission over the lanes, and the supervisor watching them all."""
         from tinyserve.core.engine_core import CoreConfig, EngineCore
@@ -140,8 +139,8 @@ class Server:
         self.metrics = Metrics(max(i.max_model_len for i in infos.values()),
                                max(m.engine.max_num_batched_tokens for m in self.models),
                                namespace=self.cfg.metrics_namespace,
-                               lora=any(getattr(i, "max_loras", 0) for i in infos.values()),
-                               speculation=any(getattr(i, "speculative", None) for i in infos.values()))
+                               lora=any(i.max_loras for i in infos.values()),
+                               speculation=any(i.speculative for i in infos.values()))
         self.executor = Executor({name: e.runner for name, e in engines.items()})
         lanes = []
         for spec in self.models:
@@ -156,7 +155,7 @@ class Server:
                               self.cfg.batch_timeout_ms, slo, spec.name,
                               # a verify's accepted count is what its next step starts from:
                               # with speculation each step is planned once the last returned
-                              self.cfg.overlap and getattr(info, "speculative", None) is None,
+                              self.cfg.overlap and info.speculative is None,
                               self.cfg.stream_interval, self.cfg.stream_write_rate)
             self.batchers[spec.name] = batcher
             self.executor.outboxes[spec.name] = batcher.inbox
@@ -188,11 +187,11 @@ class Server:
             log.info("fallback %s -> %s (degradable tenants, while %s is degraded or down)",
                      name, other, name)
 
-    def _adapters(self, engines: dict[str, Any]) -> dict[str, AdapterRegistry]:
+    def _adapters(self, engines: dict[str, Engine]) -> dict[str, AdapterRegistry]:
         """Each model that serves LoRA adapters: its registry, with the --lora-modules
         loaded (ValueError: one that does not fit, or a name already taken)."""
         registries = {name: AdapterRegistry(name, e.info.lora_dims, e.info.max_lora_rank)
-                      for name, e in engines.items() if getattr(e.info, "max_loras", 0)}
+                      for name, e in engines.items() if e.info.max_loras}
         taken = set(engines) | set(self.router.routes)
         for name, path, base in self.cfg.lora_modules:
             base = base or self.models[0].name
@@ -208,12 +207,12 @@ class Server:
             log.info("LoRA adapter %r on %s from %s", name, base, path)
         return registries
 
-    def _check_fallbacks(self, engines: dict[str, Any]) -> None:
+    def _check_fallbacks(self, engines: dict[str, Engine]) -> None:
         """A fallback serves prompts tokenized (and bounded by the vocabulary) for the other
         model: tokenizers and vocabularies must agree."""
         for name, other in self.router.fallbacks.items():
             a, b = engines[name], engines[other]
-            if (getattr(a.tokenizer, "fingerprint", None) != getattr(b.tokenizer, "fingerprint", None)
+            if (a.tokenizer.fingerprint != b.tokenizer.fingerprint
                     or a.info.vocab_size != b.info.vocab_size):
                 raise ValueError(f"--fallback {name}={other}: the two models' tokenizers or "
                                  "vocabularies differ; a fallback must read prompts the same way")

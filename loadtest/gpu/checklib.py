@@ -247,7 +247,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def write_tokenizer(model_dir: Path, vocab_size: int) -> tuple[int, int]:
-    from tinyserve.engine.demo import DEMO_CHAT_TEMPLATE
+    from tinyserve.engine.loading.demo import DEMO_CHAT_TEMPLATE
 
     tok, bos, eos = build_tokenizer(vocab_size)
     tok.save(str(model_dir / "tokenizer.json"))

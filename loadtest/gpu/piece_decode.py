@@ -25,7 +25,7 @@ KV_NOTE = ("KV bytes: each sequence's keys and values read once (int8: codes + f
 
 
 def model_config(dims: dict, dtype: str, max_len: int):
-    from tinyserve.engine.model_config import ModelConfig
+    from tinyserve.engine.loading.model_config import ModelConfig
 
     return ModelConfig(vocab_size=dims["vocab_size"], hidden_size=dims["hidden_size"],
                        intermediate_size=dims["intermediate_size"],
@@ -39,7 +39,7 @@ def model_config(dims: dict, dtype: str, max_len: int):
 def float_weights(cfg, dtype, dev, seed: int = 0):
     import torch
 
-    from tinyserve.engine.loader import LayerWeights, Linear, ModelWeights
+    from tinyserve.engine.model.weights import LayerWeights, Linear, ModelWeights
 
     g = torch.Generator(device=dev).manual_seed(seed)
 
@@ -59,7 +59,8 @@ def quantized(base, fmt: str, dtype):
     embedding stay in the model dtype, as the loader keeps them)."""
     from dataclasses import replace
 
-    from tinyserve.engine.loader import ModelWeights, quantize_int4_linear, quantize_int8
+    from tinyserve.engine.loading.quantize import quantize_int4_linear, quantize_int8
+    from tinyserve.engine.model.weights import ModelWeights
 
     def q(lin):
         return quantize_int8(lin.weight) if fmt == "int8" else \
@@ -73,7 +74,7 @@ def quantized(base, fmt: str, dtype):
 def dequantized(lin):
     """A linear's weight as fp32 [out, in]: the reference the kernels are checked against."""
 
-    from tinyserve.engine.loader import Int4Linear
+    from tinyserve.engine.model.weights import Int4Linear
     from tinyserve.kernels.int4_pack import unpack_int4
 
     if isinstance(lin, Int4Linear):
@@ -122,7 +123,7 @@ class Kernels:
         """``kind``: "float" (the model dtype), "int8" or "int4"."""
         import torch
 
-        from tinyserve.engine.model import linear
+        from tinyserve.engine.model.linear import linear
 
         ref_w = dequantized(lin)
         N, K = ref_w.shape
@@ -302,10 +303,10 @@ def run(piece: L.Piece, P: dict, ctx) -> None:
     import torch
     from bench_kernels import ceilings, timeit  # loadtest/bench_kernels.py
 
-    from tinyserve.engine.kv_cache import KVCacheSpec
-    from tinyserve.engine.model import DecoderModel
-    from tinyserve.engine.rope import rope_tables
-    from tinyserve.engine.runner import ModelRunner
+    from tinyserve.engine.model.decoder import DecoderModel
+    from tinyserve.engine.model.kv_cache import KVCacheSpec
+    from tinyserve.engine.model.rope import rope_tables
+    from tinyserve.engine.running.runner import ModelRunner
 
     dims = P["model"]
     dtype = getattr(torch, P["dtype"])
@@ -360,7 +361,7 @@ def run(piece: L.Piece, P: dict, ctx) -> None:
             model = DecoderModel(cfg, w, rope_tables(cfg, P["max_model_len"], dev))
             runner = ModelRunner(model, cfg, spec, dev, max_num_seqs=S,
                                  max_model_len=P["max_model_len"], enforce_eager=eager)
-            path = "eager" if eager else ("graphs" if runner.use_graphs else "buckets (CPU replay)")
+            path = "eager" if eager else ("graphs" if runner.buckets.use_graphs else "buckets (CPU replay)")
             rows, toks = drive(runner, prompts, P["batches"], P["warm"], P["steps"], 16)
             tokens_by[(fmt, eager)] = toks
             for B, med, mn, ctx_sum in rows:

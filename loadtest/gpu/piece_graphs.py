@@ -44,8 +44,8 @@ def run(piece: L.Piece, P: dict, ctx) -> None:
         outs[eager] = L.engine_generate(engine, cfg, prompts, n)
         if not eager:
             alone = L.engine_generate(engine, cfg, [prompts[0]], n)[0]
-            meta = {"use_graphs": engine.runner.use_graphs,
-                    "recorded_buckets": sorted(engine.runner.recorded)}
+            meta = {"use_graphs": engine.runner.buckets.use_graphs,
+                    "recorded_buckets": sorted(engine.runner.buckets.recorded)}
         meta[f"{'eager' if eager else 'buckets'}_s"] = round(time.perf_counter() - t0, 1)
         del engine
         gc.collect()

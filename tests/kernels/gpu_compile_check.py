@@ -76,7 +76,7 @@ import tinyserve.kernels as K  # noqa: E402
 
 # CPU tensors stand in for the GPU's: launchers size split-K for an H100/H200's 132 SMs.
 sys.modules["tinyserve.kernels.matmul"]._sm_count = lambda index: 132
-from tinyserve.engine.loader import quantize_int8  # noqa: E402
+from tinyserve.engine.loading.quantize import quantize_int8  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
@@ -309,12 +309,12 @@ def _tiny_runner(max_num_seqs: int, max_model_len: int, enforce_eager: bool, kv_
     ``switches``: every family switch on at once (biases, (1 + w) q/k and sandwich norms,
     GELU-tanh, both soft-caps, an embedding scale, partial rotary, a window on one of the two
     layers with its own rope)."""
-    from tinyserve.engine.kv_cache import KVCacheSpec
-    from tinyserve.engine.loader import LayerWeights, Linear, ModelWeights
-    from tinyserve.engine.model import DecoderModel
-    from tinyserve.engine.model_config import ModelConfig
-    from tinyserve.engine.rope import rope_tables
-    from tinyserve.engine.runner import ModelRunner
+    from tinyserve.engine.loading.model_config import ModelConfig
+    from tinyserve.engine.model.decoder import DecoderModel
+    from tinyserve.engine.model.kv_cache import KVCacheSpec
+    from tinyserve.engine.model.rope import rope_tables
+    from tinyserve.engine.model.weights import LayerWeights, Linear, ModelWeights
+    from tinyserve.engine.running.runner import ModelRunner
 
     on = dict(qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=True, norm_unit_offset=True,
               sandwich_norms=True, activation="gelu_tanh", attn_scale=0.1, attn_softcap=50.0,
@@ -355,7 +355,7 @@ def warm_up_coverage() -> int:
 
 
 def _coverage(enforce_eager: bool, kv_int8: bool = False, switches: bool = False) -> int:
-    from tinyserve.engine.warmup import warm_up
+    from tinyserve.engine.running.warmup import warm_up
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
     def keys():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tinyserve.engine.logits_processing import penalty_lists
+from tinyserve.engine.running.logits_processing import penalty_lists
 from tinyserve.kernels import apply_penalties, sample
 from tinyserve.messages import PLACEHOLDER, SamplingParams, ScheduledSeq
 
@@ -160,7 +160,7 @@ def test_grammar_mask_constrains_every_path(device, V):
 
 
 def test_kept_histories_count_only_new_tokens_and_survive_a_dropped_step():
-    from tinyserve.engine.logits_processing import History
+    from tinyserve.engine.running.logits_processing import History
 
     p = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5)
     kept: dict = {}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tinyserve.config import EngineConfig, ModelSpec, ServerConfig
-from tinyserve.engine.device_engine import EngineInfo
+from tinyserve.core.engines import EngineInfo
 from tinyserve.messages import PLACEHOLDER, SeqOutput, StepPlan, StepResult
 from tinyserve.models import STORIES260K
 from tinyserve.server import Server
@@ -32,6 +32,9 @@ def next_token(last: int, pos: int) -> int:
 
 @dataclass
 class FakeRunner:
+    """A core.engines.Runner."""
+
+    fills_on_device = True  # (a class attribute: placeholders from its own last step)
     step_seconds: float = 0.0
     fail_next: int = 0  # fail this many steps
     poison: int | None = None  # fail every step that computes this token id
@@ -95,7 +98,7 @@ class GuidedFakeRunner(FakeRunner):
         super().__init__(**kw)
         import torch
 
-        from tinyserve.engine.logits_processing import LogitsProcessors
+        from tinyserve.engine.running.logits_processing import LogitsProcessors
         from tinyserve.text.grammar import GrammarCompiler
 
         tok = Tokenizer(STORIES260K)
@@ -134,11 +137,13 @@ class GuidedFakeRunner(FakeRunner):
 
 
 class FakeEngine:
+    """A core.engines.Engine on a fake runner (nothing to warm up)."""
+
     def __init__(self, runner: FakeRunner, max_model_len: int = 128, num_kv_blocks: int = 512,
                  block_size: int = 16) -> None:
         self.runner = runner
-        if isinstance(runner, GuidedFakeRunner):  # the API compiles with the runner's cache
-            self.grammars = runner.grammars
+        # the API compiles with the runner's cache (a GuidedFakeRunner's), else none
+        self.grammars = runner.grammars if isinstance(runner, GuidedFakeRunner) else None
         self.tokenizer = Tokenizer(STORIES260K)
         self.info = EngineInfo(
             model_path=str(STORIES260K), device="cpu", dtype="float32", quantization=None,
@@ -146,6 +151,9 @@ class FakeEngine:
             vocab_size=512, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_bytes=0, weight_bytes=0,
             weight_bytes_unquantized=0, eos_token_ids=frozenset({2}), random_weights=False)
+
+    def warm_up(self) -> dict:
+        return {}
 
 
 class InProcessServer:

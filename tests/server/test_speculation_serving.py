@@ -112,8 +112,8 @@ def test_a_bad_speculative_config_is_refused_by_name(text, why):
 
 
 def test_a_draft_with_another_tokenizer_is_refused(stories_dir, tmp_path):
-    from tinyserve.engine.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
     from tinyserve.engine.device_engine import DeviceEngine
+    from tinyserve.engine.loading.demo import DEMO_CONFIG, write_random_llama, write_tokenizer
 
     write_random_llama(tmp_path, DEMO_CONFIG)
     write_tokenizer(tmp_path)

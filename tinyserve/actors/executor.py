@@ -13,8 +13,8 @@ result straight to the model's batcher inbox: the device runs step N+1 while the
 N's tokens, and N+1's placeholders are filled on the device from N's sampled tensor. A step
 whose sequences need N's tokens on the host (penalties, grammars) is launched after N is
 finished, its placeholders filled here. With nothing new to launch the worker waits for the
-oldest step or for a new one, whichever comes first. Runners with only ``execute`` (the
-tests' fakes) run each step whole.
+oldest step or for a new one, whichever comes first. A runner whose launch hands back the
+StepResult (``core.engines.StepFunction``, the tests' fakes) runs each step whole.
 A step that raises becomes a StepResult with ``error`` set; the actor keeps serving.
 ``busy_since`` and ``failures`` (consecutive failed steps per model) are the snapshots the
 supervisor reads to see a wedged device or a failing model.
@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from tinyserve.core.engines import Runner
 from tinyserve.messages import PLACEHOLDER, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,8 @@ class _InFlight:
 
 
 class Executor:
-    def __init__(self, runners: dict[str, Any]) -> None:
-        # Each model's ModelRunner (launch / finish), or anything with execute(plan), or a
-        # function plan -> StepResult: owns that model's weights and KV tensors.
+    def __init__(self, runners: dict[str, Runner]) -> None:
+        # Each model's runner (core/engines.py): owns that model's weights and KV tensors.
         self.runners = runners
         self.outboxes: dict[str, asyncio.Queue] = {}  # each model's batcher inbox (the server's)
         # Batchers put (model, plan) here; it goes straight to the worker thread (no relay
@@ -143,8 +143,8 @@ class Executor:
                     self._finish(inflight.popleft(), inflight)
                 plan()
                 continue
-            launch, _ = _step_functions(self.runners[model])
-            if not _fills_on_device(self.runners[model]) or _needs_host_tokens(plan):
+            runner = self.runners[model]
+            if not runner.fills_on_device or _needs_host_tokens(plan):
                 while any(f.model == model for f in inflight):  # its previous tokens, here
                     self._finish(inflight.popleft(), inflight)
                 plan = self._fill_placeholders(model, plan)
@@ -154,7 +154,8 @@ class Executor:
             if not inflight:
                 self.busy_since = time.monotonic()
             try:
-                launched = launch(plan) if plan.seqs or plan.freed else StepResult(plan.step_id, ())
+                launched = runner.launch(plan) if plan.seqs or plan.freed \
+                    else StepResult(plan.step_id, ())
             except Exception as e:  # a failed step must not take the server down
                 while any(f.model == model for f in inflight):  # results stay in step order
                     self._finish(inflight.popleft(), inflight)
@@ -175,7 +176,7 @@ class Executor:
             if isinstance(step.launched, StepResult):
                 result = step.launched
             else:
-                result = _step_functions(self.runners[model])[1](step.launched)
+                result = self.runners[model].finish(step.launched)
             if plan.seqs:
                 if not result.seconds:
                     result = msgspec.structs.replace(
@@ -307,19 +308,6 @@ def _settle(done: asyncio.Future, value: Any, error: BaseException | None) -> No
             done.set_result(value)
 
 
-def _step_functions(runner: Any) -> tuple[Callable, Callable]:
-    """(launch, finish): a ModelRunner's own; an execute-only runner's launch runs the whole
-    step and its finish is never called (its handle is the StepResult)."""
-    if hasattr(runner, "launch") and hasattr(runner, "finish"):
-        return runner.launch, runner.finish
-    return getattr(runner, "execute", runner), lambda result: result
-
-
-def _fills_on_device(runner: Any) -> bool:
-    """The runner takes PLACEHOLDER tokens from its previous step on the device."""
-    return hasattr(runner, "launch") and hasattr(runner, "finish")
-
-
 def _needs_host_tokens(plan: StepPlan) -> bool:
     """A sequence whose logits processing reads its output so far (penalties, a grammar):
     the previous step's token must be known on the host first."""
@@ -327,6 +315,5 @@ def _needs_host_tokens(plan: StepPlan) -> bool:
 
 
 def _done(step: _InFlight) -> bool:
-    """Its tokens are on the host (an execute-only runner's step is done once launched)."""
-    ready = getattr(step.launched, "ready", None)
-    return ready is None or bool(ready())
+    """Its tokens are on the host (a runner that hands back the StepResult at launch: done)."""
+    return isinstance(step.launched, StepResult) or step.launched.ready()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tinyserve.config import SpeculativeConfig
 from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.block_pool import BlockPool
+from tinyserve.core.engines import EngineInfo
 from tinyserve.core.kv_manager import KVCacheManager
 from tinyserve.core.request import Request
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig
@@ -50,17 +51,16 @@ class CoreConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     @classmethod
-    def from_engine(cls, cfg: EngineConfig, info: Any) -> CoreConfig:
-        """The scheduler's view of a loaded engine (sizes resolved at load time): ``info`` is
-        its EngineInfo (plain values; not imported here, the device side is not ours)."""
+    def from_engine(cls, cfg: EngineConfig, info: EngineInfo) -> CoreConfig:
+        """The scheduler's view of a loaded engine (sizes resolved at load time)."""
         return cls(num_kv_blocks=info.num_kv_blocks, block_size=info.block_size,
                    max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids,
                    enable_prefix_caching=cfg.enable_prefix_caching, seed=cfg.seed,
-                   kv_window=info.kv_window, max_loras=getattr(info, "max_loras", 0),
+                   kv_window=info.kv_window, max_loras=info.max_loras,
                    # the engine's: a draft model is loaded by it, whatever cfg says
-                   speculative=getattr(info, "speculative", None))
+                   speculative=info.speculative)
 
 
 class EngineCore:

@@ -205,7 +205,7 @@ def load_model_config(model: str | Path) -> ModelConfig:
     metadata read into the same keys (gguf_config.py)."""
     model = Path(model)
     if is_gguf(model):
-        from tinyserve.engine.gguf_config import gguf_raw_config
+        from tinyserve.engine.loading.gguf_config import gguf_raw_config
         from tinyserve.formats.gguf import GGUFError, GGUFFile
 
         try:

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from tinyserve.engine.model import ForwardBatch
-from tinyserve.engine.runner import ModelRunner
+from tinyserve.engine.model.batch import ForwardBatch
+from tinyserve.engine.running.runner import ModelRunner
 from tinyserve.kernels import sample, target_logprobs
 from tinyserve.kernels.utils import INTERPRET
 from tinyserve.messages import SamplingParams, ScheduledSeq
@@ -47,7 +47,7 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
         compile_all = not INTERPRET
     if not compile_all:
         log.info("warm-up: interpreter, nothing to compile; decode buckets %s are recorded "
-                 "on first use", list(runner.buckets))
+                 "on first use", list(runner.buckets.sizes))
         return {"buckets": [], "cuda_graphs": False, "sampling_variants": 0,
                 "eager_shapes": 0, "scratch_mib": 0.0, "seconds": 0.0,
                 "capacity": runner.statics.cap}
@@ -61,11 +61,11 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
     cap = st.cap
     st.pad_rows(0, cap, runner.tables.pad_row)  # every row padding: the recordings run on it
     st.push(0)
-    for B in runner.buckets:
-        for max_len in runner.split_classes():
+    for B in runner.buckets.sizes:
+        for max_len in runner.buckets.split_classes():
             runner.record_bucket(B, max_len)
-    graphs = runner.capture_graphs()  # all at once: one sync, one cleanup, one pool
-    sizes = runner.buckets or tuple(sorted({min(n, runner.max_num_seqs) for n in (1, 2, 16)}))
+    graphs = runner.buckets.capture()  # all at once: one sync, one cleanup, one pool
+    sizes = runner.buckets.sizes or tuple(sorted({min(n, runner.max_num_seqs) for n in (1, 2, 16)}))
     launches = 0
     for B in sizes:
         logits = torch.zeros((B, runner.cfg.vocab_size), dtype=torch.float32, device=runner.device)
@@ -85,18 +85,18 @@ def warm_up(runner: ModelRunner, compile_all: bool | None = None) -> dict:
         runner.logits.processed(logits, [_PENALIZED] * B)  # (last: it bans token 0 in place)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    info = {"buckets": list(runner.buckets), "split_classes": runner.split_classes(),
-            "recordings": len(runner.recorded), "cuda_graphs": runner.use_graphs,
+    info = {"buckets": list(runner.buckets.sizes), "split_classes": runner.buckets.split_classes(),
+            "recordings": len(runner.buckets.recorded), "cuda_graphs": runner.buckets.use_graphs,
             "graphs_captured": graphs["graphs"], "graph_seconds": graphs["seconds"],
             "graph_memory_mib": graphs["memory_mib"],
             "sampling_variants": launches, "eager_shapes": len(shapes),
-            "scratch_mib": round(runner.scratch_bytes / 2**20, 1),
+            "scratch_mib": round(runner.buckets.scratch_bytes / 2**20, 1),
             "seconds": round(time.perf_counter() - t0, 2), "capacity": cap}
     captured = (f" and captured as {graphs['graphs']} CUDA graphs in {graphs['seconds']:.2f} s"
-                f" ({graphs['memory_mib']:.1f} MiB)") if runner.use_graphs else ""
+                f" ({graphs['memory_mib']:.1f} MiB)") if runner.buckets.use_graphs else ""
     log.info("warm-up: %d decode buckets %s x %d split classes recorded%s, %d sampling "
-             "variants, %d eager shapes, %.1f MiB scratch, %.2f s", len(runner.buckets),
-             list(runner.buckets), len(runner.split_classes()), captured, launches,
+             "variants, %d eager shapes, %.1f MiB scratch, %.2f s", len(runner.buckets.sizes),
+             list(runner.buckets.sizes), len(runner.buckets.split_classes()), captured, launches,
              len(shapes), info["scratch_mib"], info["seconds"])
     return info
 
@@ -115,7 +115,7 @@ def eager_warm_shapes(runner: ModelRunner) -> list[tuple[tuple[int, ...], tuple[
     shapes = [((), (16,)), ((), (17,)), ((lengths[0],) * 15, (17,))]  # (16 rows of 32)
     for n in (1, 2, 15, 16):
         shapes += [((length,) * n, (16,)) for length in lengths]
-        if not runner.buckets:  # eager decode-only steps too
+        if not runner.buckets.sizes:  # eager decode-only steps too
             shapes += [((length,) * n, ()) for length in lengths]
     return shapes
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tinyserve.engine.logits_processing import LogitsProcessors
-from tinyserve.engine.staging import Readback
+from tinyserve.engine.running.logits_processing import LogitsProcessors
+from tinyserve.engine.running.staging import Readback
 from tinyserve.messages import PromptLogprobs, ScheduledSeq, SeqOutput
 
 

@@ -22,10 +22,11 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from tinyserve.engine.kv_cache import KVCache
-from tinyserve.engine.model import DecoderModel, ForwardBatch
-from tinyserve.engine.packing import pack_arrays
-from tinyserve.engine.staging import stage
+from tinyserve.engine.model.batch import ForwardBatch
+from tinyserve.engine.model.decoder import DecoderModel
+from tinyserve.engine.model.kv_cache import KVCache
+from tinyserve.engine.running.packing import pack_arrays
+from tinyserve.engine.running.staging import stage
 from tinyserve.kernels import sample
 from tinyserve.messages import SamplingParams, ScheduledSeq
 
@@ -108,10 +109,10 @@ def load_draft(path: str, quantization: str | None, target_vocab: int, target_to
                max_model_len: int):
     """(the draft's DecoderModel, its one-block KV spec): ValueError if it cannot draft for
     the target (another vocabulary or tokenizer: its tokens would mean something else)."""
-    from tinyserve.engine.kv_cache import KVCacheSpec
-    from tinyserve.engine.loader import load_weights
-    from tinyserve.engine.model_config import load_model_config
-    from tinyserve.engine.rope import rope_tables
+    from tinyserve.engine.loading.checkpoint import load_weights
+    from tinyserve.engine.loading.model_config import load_model_config
+    from tinyserve.engine.model.kv_cache import KVCacheSpec
+    from tinyserve.engine.model.rope import rope_tables
     from tinyserve.formats.gguf import is_gguf
     from tinyserve.text.tokenizer import Tokenizer
 
@@ -123,7 +124,7 @@ def load_draft(path: str, quantization: str | None, target_vocab: int, target_to
                                                                  None):
         raise ValueError("speculative_config.model: the draft's tokenizer is not the target's")
     if is_gguf(path):  # llama.cpp's file: its codes kept in the group-wise kernels
-        from tinyserve.engine.gguf_weights import load_gguf_weights
+        from tinyserve.engine.loading.gguf_weights import load_gguf_weights
         from tinyserve.formats.gguf import GGUFFile
 
         weights = load_gguf_weights(GGUFFile(path), mcfg, dtype, device, quantization, False)

@@ -28,9 +28,16 @@ import logging
 import numpy as np
 import torch
 
-from tinyserve.engine.gguf_quants import Quantized, decode
-from tinyserve.engine.loader import AnyLinear, Int4Linear, Int8GroupLinear, LayerWeights, Linear, ModelWeights
-from tinyserve.engine.model_config import ModelConfig, ModelLoadError
+from tinyserve.engine.loading.gguf_quants import Quantized, decode
+from tinyserve.engine.loading.model_config import ModelConfig, ModelLoadError
+from tinyserve.engine.model.weights import (
+    AnyLinear,
+    Int4Linear,
+    Int8GroupLinear,
+    LayerWeights,
+    Linear,
+    ModelWeights,
+)
 from tinyserve.formats.gguf import GGUFError, GGUFFile
 
 log = logging.getLogger(__name__)

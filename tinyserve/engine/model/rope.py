@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tinyserve.engine.model_config import ModelConfig
+from tinyserve.engine.loading.model_config import ModelConfig
 
 
 def inv_freq(theta: float, scaling: dict[str, Any] | None, dim: int,

@@ -32,20 +32,20 @@ import time
 import numpy as np
 import torch
 
-from tinyserve.engine.block_tables import BlockTables
-from tinyserve.engine.buckets import capture, decode_buckets, split_class, split_classes
-from tinyserve.engine.draft import DraftProposer
-from tinyserve.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from tinyserve.engine.logits_processing import LogitsProcessors
-from tinyserve.engine.lora import HostAdapters
-from tinyserve.engine.model import DecoderModel, ForwardBatch
-from tinyserve.engine.model_config import ModelConfig
-from tinyserve.engine.packing import pack_arrays
-from tinyserve.engine.staging import DecodeStatics, Readback, stage
-from tinyserve.engine.step_outputs import Launched, step_outputs
+from tinyserve.engine.loading.model_config import ModelConfig
+from tinyserve.engine.model.batch import ForwardBatch
+from tinyserve.engine.model.decoder import DecoderModel
+from tinyserve.engine.model.kv_cache import KVCacheSpec, allocate_kv_cache
+from tinyserve.engine.model.lora import HostAdapters
+from tinyserve.engine.running.block_tables import BlockTables
+from tinyserve.engine.running.buckets import DecodeBuckets, decode_buckets
+from tinyserve.engine.running.draft import DraftProposer
+from tinyserve.engine.running.logits_processing import LogitsProcessors
+from tinyserve.engine.running.packing import pack_arrays
+from tinyserve.engine.running.staging import DecodeStatics, Readback, stage
+from tinyserve.engine.running.step_outputs import Launched, step_outputs
 from tinyserve.kernels import sample, update_block_table
 from tinyserve.kernels.placeholders import fill_placeholders
-from tinyserve.kernels.utils import Recording, recording
 from tinyserve.messages import (
     DRAFT,
     PLACEHOLDER,
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    fills_on_device = True  # (core/engines.Runner) placeholders from its last step's tokens
+
     def __init__(self, model: DecoderModel, cfg: ModelConfig, kv_spec: KVCacheSpec,
                  device: torch.device | str, *, max_num_seqs: int = 64,
                  max_model_len: int | None = None, enforce_eager: bool = False,
@@ -78,21 +80,18 @@ class ModelRunner:
         self.table_dev = torch.zeros((2 * max_num_seqs + 1, width), dtype=torch.int32,
                                      device=self.device)
         self.max_num_seqs = max_num_seqs
-        self.buckets = () if enforce_eager else decode_buckets(max_num_seqs)
+        self.buckets = DecodeBuckets(() if enforce_eager else decode_buckets(max_num_seqs),
+                                     self.max_model_len, self.device,
+                                     use_graphs=self.device.type == "cuda" and not enforce_eager)
         # (max_num_seqs rows also with enforce_eager: eager steps stage their sampling there)
-        self.statics = DecodeStatics(max(max_num_seqs, *self.buckets, 1), max(256, 2 * width),
-                                     self.device)
-        self._pools: dict = {}  # scratch buffers shared by every bucket's recording
-        # (bucket, split class) -> (recording, its logits buffer, its CUDA graph or None)
-        self._recorded: dict[tuple[int, int], tuple[Recording, torch.Tensor, object]] = {}
-        self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.statics = DecodeStatics(max(max_num_seqs, *self.buckets.sizes, 1),
+                                     max(256, 2 * width), self.device)
         # penalties, grammar masks, prompt logprobs (its ``grammars`` set by the DeviceEngine)
         self.logits = LogitsProcessors(cfg.vocab_size, cfg.eos_token_ids, self.device)
         # The last launched step's sampled tokens (device) and each sampling sequence's row in
         # them: where the next step's placeholders come from.
         self._prev: tuple[dict[int, int], torch.Tensor | None] = ({}, None)
         self._prev_tokens: torch.Tensor | None = None  # the step before the one launching
-        self._graph_pool = None  # one memory pool for every captured bucket
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -123,7 +122,7 @@ class ModelRunner:
         # Buckets take decodes that all sample (a one-token prompt chunk cut short by the
         # token budget does not: that step runs eager).
         bucketed = bool(seqs) and len(seqs[-1].token_ids) == 1 \
-            and len(seqs) <= (self.buckets or (0,))[-1] and all(s.sample for s in seqs)
+            and len(seqs) <= (self.buckets.sizes or (0,))[-1] and all(s.sample for s in seqs)
         if bucketed:
             logits, sampled = self._decode_bucket(seqs, rows, updates, holes)
         else:
@@ -201,15 +200,9 @@ class ModelRunner:
             update_block_table(self.table_dev, st.upd[:n])
 
     # -- decode buckets ---------------------------------------------------------------------
-    def _bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"{n} decodes exceed the largest bucket")
-
     def _decode_bucket(self, seqs: list[ScheduledSeq], rows: list[int], updates: list,
                        holes: dict[int, int]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        n, B = len(seqs), self._bucket(len(seqs))
+        n, B = len(seqs), self.buckets.size_for(len(seqs))
         st, bs = self.statics, self.kv_spec.block_size
         i64 = st.h_i64
         pos = np.fromiter((s.start_pos for s in seqs), np.int64, n)
@@ -225,24 +218,12 @@ class ModelRunner:
         self._stage_sampling(seqs)
         self.push_table_updates(updates, statics=True)
         self._fill(st.ids, list(holes.items()))
-        key = (B, self._split_class(int(pos.max()) + 1))
-        recorded = self._recorded.get(key)
-        if recorded is None:  # first use: recording it ran this very step
+        key = (B, self.buckets.split_class(int(pos.max()) + 1))
+        logits = self.buckets.replay(key)
+        if logits is None:  # first use: recording it runs this very step
             logits = self.record_bucket(*key)
-            self.capture_graphs()
-        else:
-            rec, logits, graph = recorded
-            if graph is not None:
-                graph.replay()
-            else:
-                rec.replay()
+            self.buckets.capture()
         return logits[:n], seqs
-
-    def _split_class(self, longest: int) -> int:
-        return split_class(longest, self.max_model_len)
-
-    def split_classes(self) -> list[int]:
-        return split_classes(self.max_model_len)
 
     def _stage_sampling(self, seqs: list[ScheduledSeq]) -> None:
         n, st = len(seqs), self.statics
@@ -264,36 +245,11 @@ class ModelRunner:
             # with adapters, every bucket runs the LoRA kernels (rows on -1 skip the work)
             lora_slots=None if self.model.lora is None else st.lora_slots[:B])
 
-    @property
-    def recorded(self) -> frozenset[tuple[int, int]]:
-        """The (bucket, split class) pairs recorded so far."""
-        return frozenset(self._recorded)
-
     def record_bucket(self, B: int, max_len: int) -> torch.Tensor:
         """Record bucket B's forward pass for sequences up to max_len (it runs once, on
-        whatever the statics hold), and capture it as a CUDA graph on a GPU; returns its
-        logits buffer."""
-        if (B, max_len) in self._recorded:
-            return self._recorded[B, max_len][1]
-        rec = Recording(self.buckets[-1], self._pools)
-        with recording(rec):
-            logits = self.model.forward(self._bucket_batch(B, max_len), self.kv_cache)
-        graph = None
-        self._recorded[B, max_len] = (rec, logits, graph)
-        return logits
-
-    def capture_graphs(self) -> dict:
-        """Capture every recorded bucket not captured yet as a CUDA graph (nothing off a GPU;
-        see graphs.capture). Call it on the thread that runs the steps."""
-        if not self.use_graphs:
-            return {"graphs": 0, "seconds": 0.0, "memory_mib": 0.0}
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return capture(self._recorded, self.device, self._graph_pool)
-
-    @property
-    def scratch_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pool in self._pools.values() for t in pool)
+        whatever the statics hold); returns its logits buffer."""
+        return self.buckets.record((B, max_len), lambda: self.model.forward(
+            self._bucket_batch(B, max_len), self.kv_cache))
 
     # -- eager ------------------------------------------------------------------------------
     def pack(self, seqs: list[ScheduledSeq], rows: list[int], holes: dict[int, int] | None = None

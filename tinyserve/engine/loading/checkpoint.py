@@ -18,164 +18,24 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from tinyserve.engine.model_config import ModelConfig, ModelLoadError
-from tinyserve.engine.quantized_checkpoints import (
+from tinyserve.engine.loading.model_config import ModelConfig, ModelLoadError
+from tinyserve.engine.loading.quantize import quantize_int4_linear, quantize_int8
+from tinyserve.engine.loading.quantized_checkpoints import (
     QuantFormat,
     check_g_idx,
     parse_quantization_config,
     repack,
     tensor_shapes,
 )
+from tinyserve.engine.model.weights import Int4Linear, LayerWeights, Linear, ModelWeights
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------
-# Weights
-# ---------------------------------------------------------------------------------------------
-
-def _bytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-@dataclass(slots=True)
-class Linear:
-    weight: torch.Tensor  # [out, in], float or int8
-    scale: torch.Tensor | None = None  # [out] fp32 when weight is int8
-    bias: torch.Tensor | None = None  # [out], the model dtype
-
-    @property
-    def numel(self) -> int:
-        return self.weight.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.weight, self.scale, self.bias)
-
-
-@dataclass(slots=True)
-class Int4Linear:
-    """int4_matmul's layout (kernels/group_matmul.py): W[n, k] = (q[n, k] - zeros[n, g]) *
-    scales[n, g], or q[n, k] * scales[n, g] + mins[n, g] (GGUF's Q4_1 / Q4_K), g = k //
-    group_size, in_features padded to whole groups."""
-
-    qweight: torch.Tensor  # [out, in_pad / 8] int32, 8 codes a word along in
-    scales: torch.Tensor  # [out, in_pad / group_size] float
-    zeros: torch.Tensor | None  # [out, in_pad / group_size] uint8; None: 8 (symmetric)
-    group_size: int
-    in_features: int
-    bias: torch.Tensor | None = None  # [out], the model dtype
-    mins: torch.Tensor | None = None  # [out, in_pad / group_size] float, instead of zeros
-
-    @property
-    def numel(self) -> int:
-        return self.qweight.shape[0] * self.in_features
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.qweight, self.scales, self.zeros, self.mins, self.bias)
-
-
-@dataclass(slots=True)
-class Int8GroupLinear:
-    """int8_group_matmul's layout (kernels/group_matmul.py): W[n, k] = codes[n, k] *
-    scales[n, g] (+ mins[n, g]): GGUF's Q8_0, Q5_0 / Q5_1 / Q5_K and Q6_K, whose codes fit a
-    byte, kept exactly."""
-
-    codes: torch.Tensor  # [out, in_pad] int8
-    scales: torch.Tensor  # [out, in_pad / group_size] float
-    mins: torch.Tensor | None
-    group_size: int
-    in_features: int
-    bias: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.codes.shape[0] * self.in_features
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.codes, self.scales, self.mins, self.bias)
-
-
-AnyLinear = Linear | Int4Linear | Int8GroupLinear
-
-
-@dataclass(slots=True)
-class LayerWeights:
-    input_norm: torch.Tensor  # [D]
-    qkv: AnyLinear  # [(Hq + 2 Hk) * Dh, D]
-    o: AnyLinear  # [D, Hq * Dh]
-    post_norm: torch.Tensor  # [D]: before the MLP; with sandwich norms, after attention
-    gate_up: AnyLinear  # [2I, D]
-    down: AnyLinear  # [D, I]
-    pre_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
-    post_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
-    q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3)
-    k_norm: torch.Tensor | None = None  # [Dh]
-
-    @property
-    def norms(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.input_norm, self.post_norm, self.pre_ffn_norm, self.post_ffn_norm,
-                self.q_norm, self.k_norm)
-
-
-@dataclass(slots=True)
-class ModelWeights:
-    embed: torch.Tensor  # [V, D]
-    layers: list[LayerWeights]
-    norm: torch.Tensor  # [D]
-    lm_head: AnyLinear  # [V, D], the embedding itself when tied (or its GGUF codes)
-    # how the linear layers are stored: int8, int4, gptq, awq, gguf
-    quantization: str | None = None
-
-    def nbytes(self, as_float: torch.dtype | None = None) -> int:
-        """Bytes of all weights; with ``as_float``, as if no linear layer were quantized."""
-        def lin_bytes(lin: AnyLinear) -> int:
-            return lin.numel * as_float.itemsize + _bytes(lin.bias) if as_float else lin.nbytes
-
-        total = _bytes(self.embed, self.norm)
-        if getattr(self.lm_head, "weight", None) is not self.embed:
-            total += lin_bytes(self.lm_head)
-        for layer in self.layers:
-            total += _bytes(*layer.norms)
-            total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        return total
-
-
-def quantize_int8(w: torch.Tensor) -> Linear:
-    """Symmetric per-output-channel int8: w ~= w_q * scale[:, None], |w_q| <= 127."""
-    wf = w.float()
-    scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    w_q = torch.clamp(torch.round(wf / scale[:, None]), -127, 127).to(torch.int8)
-    return Linear(w_q.contiguous(), scale.contiguous())
-
-
-# Zero points and a 20-step clip search: on stories260k the best of the four options measured
-# (README, Results: quantization; round to nearest 88.5-90.4%, this 92.3% agreement with fp32
-# over the reference text). A zero point spends all 16 codes on the group's range; the search
-# trades the rare large weights' error for a finer step everywhere else.
-INT4_GROUP_SIZE = 128
-INT4_SYMMETRIC = False
-INT4_CLIP_SEARCH = 20
-
-
-def quantize_int4_linear(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
-    """w: [out, in] float -> Int4Linear, groups of INT4_GROUP_SIZE (the last may be partial).
-    Scales in fp16 as GPTQ / AWQ store them (bf16's 8-bit mantissa would add up to 0.4% to
-    every weight's error), fp32 when the model runs in fp32."""
-    from tinyserve.kernels.int4_pack import quantize_int4  # (see repack: not at import)
-
-    qweight, scales, zeros = quantize_int4(w, INT4_GROUP_SIZE, INT4_SYMMETRIC, INT4_CLIP_SEARCH)
-    scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
-    return Int4Linear(qweight, scales.to(scale_dtype), zeros, INT4_GROUP_SIZE, w.shape[1])
-
 
 def _checkpoint_format(model_dir: Path) -> QuantFormat | None:
     path = model_dir / "config.json"

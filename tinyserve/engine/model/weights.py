@@ -1,0 +1,118 @@
+"""The model's weights as the kernels hold them: one layer layout for every family, each
+linear layer float, int8 per output channel, or int4 / int8 group-wise (a GGUF's codes kept
+exactly). The loaders (loading/) build these; the model (decoder.py) reads them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass(slots=True)
+class Linear:
+    weight: torch.Tensor  # [out, in], float or int8
+    scale: torch.Tensor | None = None  # [out] fp32 when weight is int8
+    bias: torch.Tensor | None = None  # [out], the model dtype
+
+    @property
+    def numel(self) -> int:
+        return self.weight.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.weight, self.scale, self.bias)
+
+
+@dataclass(slots=True)
+class Int4Linear:
+    """int4_matmul's layout (kernels/group_matmul.py): W[n, k] = (q[n, k] - zeros[n, g]) *
+    scales[n, g], or q[n, k] * scales[n, g] + mins[n, g] (GGUF's Q4_1 / Q4_K), g = k //
+    group_size, in_features padded to whole groups."""
+
+    qweight: torch.Tensor  # [out, in_pad / 8] int32, 8 codes a word along in
+    scales: torch.Tensor  # [out, in_pad / group_size] float
+    zeros: torch.Tensor | None  # [out, in_pad / group_size] uint8; None: 8 (symmetric)
+    group_size: int
+    in_features: int
+    bias: torch.Tensor | None = None  # [out], the model dtype
+    mins: torch.Tensor | None = None  # [out, in_pad / group_size] float, instead of zeros
+
+    @property
+    def numel(self) -> int:
+        return self.qweight.shape[0] * self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.qweight, self.scales, self.zeros, self.mins, self.bias)
+
+
+@dataclass(slots=True)
+class Int8GroupLinear:
+    """int8_group_matmul's layout (kernels/group_matmul.py): W[n, k] = codes[n, k] *
+    scales[n, g] (+ mins[n, g]): GGUF's Q8_0, Q5_0 / Q5_1 / Q5_K and Q6_K, whose codes fit a
+    byte, kept exactly."""
+
+    codes: torch.Tensor  # [out, in_pad] int8
+    scales: torch.Tensor  # [out, in_pad / group_size] float
+    mins: torch.Tensor | None
+    group_size: int
+    in_features: int
+    bias: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.codes.shape[0] * self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.codes, self.scales, self.mins, self.bias)
+
+
+AnyLinear = Linear | Int4Linear | Int8GroupLinear
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    qkv: AnyLinear  # [(Hq + 2 Hk) * Dh, D]
+    o: AnyLinear  # [D, Hq * Dh]
+    post_norm: torch.Tensor  # [D]: before the MLP; with sandwich norms, after attention
+    gate_up: AnyLinear  # [2I, D]
+    down: AnyLinear  # [D, I]
+    pre_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
+    post_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
+    q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [Dh]
+
+    @property
+    def norms(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.input_norm, self.post_norm, self.pre_ffn_norm, self.post_ffn_norm,
+                self.q_norm, self.k_norm)
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor  # [V, D]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [D]
+    lm_head: AnyLinear  # [V, D], the embedding itself when tied (or its GGUF codes)
+    # how the linear layers are stored: int8, int4, gptq, awq, gguf
+    quantization: str | None = None
+
+    def nbytes(self, as_float: torch.dtype | None = None) -> int:
+        """Bytes of all weights; with ``as_float``, as if no linear layer were quantized."""
+        def lin_bytes(lin: AnyLinear) -> int:
+            return lin.numel * as_float.itemsize + _bytes(lin.bias) if as_float else lin.nbytes
+
+        total = _bytes(self.embed, self.norm)
+        if getattr(self.lm_head, "weight", None) is not self.embed:
+            total += lin_bytes(self.lm_head)
+        for layer in self.layers:
+            total += _bytes(*layer.norms)
+            total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return total
