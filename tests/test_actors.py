@@ -84,9 +84,10 @@ class Graph:
     async def request(self, rid, prompt=(256, 104, 105), max_tokens=5):
         replies = asyncio.Queue(maxsize=max_tokens + 4)
         handle = RequestHandle(rid, replies)
-        self.admission.inbox.put_nowait(Submit(rid, tuple(prompt), SamplingParams(
-            max_tokens=max_tokens, temperature=0.0), time.monotonic(), handle))
-        first = await replies.get()
+        first = await self.admission.ask([Submit(
+            request_id=rid, prompt_token_ids=tuple(prompt), params=SamplingParams(
+                max_tokens=max_tokens, temperature=0.0), arrival_time=time.monotonic(),
+            handle=handle)])
         if isinstance(first, Failed):
             return first, []
         assert isinstance(first, Accepted)
@@ -159,10 +160,10 @@ def test_abort_frees_blocks_and_ends_the_stream(tokenizer):
     async def main():
         async with Graph(tokenizer) as g:
             replies = asyncio.Queue(maxsize=64)
-            g.admission.inbox.put_nowait(Submit(7, (256, 1, 2, 3, 4, 5), SamplingParams(
-                max_tokens=50, temperature=0.0), time.monotonic(),
-                RequestHandle(7, replies)))
-            assert isinstance(await replies.get(), Accepted)
+            assert isinstance(await g.admission.ask([Submit(
+                request_id=7, prompt_token_ids=(256, 1, 2, 3, 4, 5), params=SamplingParams(
+                    max_tokens=50, temperature=0.0), arrival_time=time.monotonic(),
+                handle=RequestHandle(7, replies))]), Accepted)
             await replies.get()  # a first output: it is running
             g.batcher.inbox.put_nowait(Abort(7))
             while True:
@@ -187,10 +188,10 @@ def test_the_engine_refuses_what_ingress_should_have_caught(tokenizer):
                     ((256, 5), SamplingParams(max_tokens=3, stop_token_ids=(10**9,)),
                      "stop_token_ids")]):
                 replies = asyncio.Queue(maxsize=8)
-                g.admission.inbox.put_nowait(Submit(
-                    100 + i, prompt, params, time.monotonic(),
-                    RequestHandle(100 + i, replies)))
-                assert isinstance(await replies.get(), Accepted)
+                assert isinstance(await g.admission.ask([Submit(
+                    request_id=100 + i, prompt_token_ids=prompt, params=params,
+                    arrival_time=time.monotonic(), handle=RequestHandle(100 + i, replies))]),
+                    Accepted)
                 failed = await asyncio.wait_for(replies.get(), 5)
                 assert isinstance(failed, Failed) and failed.status == 400, failed
                 assert failed.param == field

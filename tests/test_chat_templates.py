@@ -201,10 +201,10 @@ def test_the_api_path_renders_tools_and_calls_as_transformers(hf):
     import asyncio
     import json
 
-    from tinyserve.api.completions import parse
-    from tinyserve.api.fields import decode_request
+    from tinyserve.api.openai.fields import decode as decode_request
+    from tinyserve.api.openai.requests import ChatCompletionRequest, TokenizeRequest
+    from tinyserve.api.prepare import parse
     from tinyserve.api.prompts import PromptParser
-    from tinyserve.api.request_types import ChatCompletionRequest, TokenizeRequest
 
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}

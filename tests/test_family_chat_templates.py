@@ -16,7 +16,7 @@ from tests.conftest import STORIES_DIR
 from tests.test_chat_templates import CHATS as LLAMA_CHATS
 from tests.test_chat_templates import TOOLS
 from tinyserve.api.errors import ApiError
-from tinyserve.api.tool_parsers import ToolStreamParser, parse_tool_calls
+from tinyserve.api.tools.parsers import ToolStreamParser, parse_tool_calls
 from tinyserve.text.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -104,10 +104,10 @@ def test_what_each_family_does_with_a_system_message(hf):
 def test_qwen3_thinking_switch_through_the_api_path(hf):
     """Qwen3's enable_thinking as a client sends it, chat_template_kwargs (vLLM's extension),
     renders as transformers renders the keyword; a name the request owns is refused."""
-    from tinyserve.api.completions import parse
-    from tinyserve.api.fields import decode_request
+    from tinyserve.api.openai.fields import decode as decode_request
+    from tinyserve.api.openai.requests import ChatCompletionRequest, TokenizeRequest
+    from tinyserve.api.prepare import parse
     from tinyserve.api.prompts import PromptParser
-    from tinyserve.api.request_types import ChatCompletionRequest, TokenizeRequest
 
     parser = PromptParser(4096, 512, ours("qwen3"))
     assert parser.tool_parser == "hermes"
@@ -168,8 +168,8 @@ def test_a_qwen_assistant_turn_with_calls_round_trips_through_the_template(hf):
     arguments as JSON text), render as transformers renders the same turn."""
     import msgspec
 
-    from tinyserve.api.request_types import ChatMessage
-    from tinyserve.api.tools import template_messages
+    from tinyserve.api.openai.requests import ChatMessage
+    from tinyserve.api.prompts import template_messages
 
     _, calls = parse_tool_calls(QWEN_OUTPUT, "hermes", frozenset({"get_weather"}))
     wire = [{"role": "user", "content": "Weather in Paris and Lyon?"},

@@ -25,8 +25,9 @@ def _handle(rid: int = 1) -> RequestHandle:
 
 
 def _submit(h: RequestHandle, prompt: int = 2, max_tokens: int = 4) -> Submit:
-    return Submit(h.request_id, (1,) * prompt, SamplingParams(max_tokens=max_tokens),
-                  time.monotonic(), h, tenant="t")
+    return Submit(request_id=h.request_id, prompt_token_ids=(1,) * prompt,
+                  params=SamplingParams(max_tokens=max_tokens), arrival_time=time.monotonic(),
+                  handle=h, tenant="t")
 
 
 def test_a_finished_request_frees_its_slot_and_refunds_what_it_did_not_use():
@@ -76,7 +77,7 @@ def test_a_client_gone_before_admission_is_admitted_and_aborted_at_once_uncharge
     msg = _submit(h)
     h.close()  # the client left while the Submit waited for admission
     assert lane.batcher_inbox.empty()  # nothing to abort yet
-    admission._admit(msg)
+    assert isinstance(admission._decide([msg]), Accepted)
     submit, abort = lane.batcher_inbox.get_nowait(), lane.batcher_inbox.get_nowait()
     assert submit is msg and isinstance(abort, Abort) and abort.request_id == 3
     assert lane.in_system() == 1 and admission.quotas.in_flight("t") == 0
@@ -89,13 +90,52 @@ def test_admission_admits_through_the_handle_and_answers_accepted():
     admission = Admission([lane], tenants=(TENANT,))
     admission.ready = True
     first, second = _handle(1), _handle(2)
-    for h in (first, second):
-        admission._admit(_submit(h))
-    assert first.lane is lane and isinstance(first.replies.get_nowait(), Accepted)
+    accepted, refused = (admission._decide([_submit(h)]) for h in (first, second))
+    assert first.lane is lane and isinstance(accepted, Accepted) and accepted.model == "m"
     assert lane.batcher_inbox.get_nowait().handle is first
-    refused = second.replies.get_nowait()
     assert refused.status == 429 and second.lane is None  # full: capacity 1
     assert admission.quotas.in_flight("t") == 1
     first.done = True
     first.close()
     assert lane.in_system() == 0 and not lane.full and admission.quotas.in_flight("t") == 0
+
+
+def test_a_request_whose_last_choice_is_refused_runs_no_choice_and_is_charged_nothing():
+    """Admission decides a request's choices together: the two it placed give their slots
+    and their whole charges back when the third does not fit, and nothing reaches the
+    batcher."""
+    lane = _lane(capacity=2)
+    admission = Admission([lane], tenants=(TENANT,))
+    admission.ready = True
+    handles = [_handle(i) for i in (1, 2, 3)]
+    refused = admission._decide([_submit(h, 20, 80) for h in handles])
+    assert refused.status == 429
+    assert lane.batcher_inbox.empty() and lane.in_system() == 0
+    assert admission.quotas.in_flight("t") == 0
+    assert admission.quotas._state["t"].bucket.level >= 999  # (refills while it runs)
+    assert all(h.lane is None for h in handles)
+    for h in handles:  # the handler's close moves nothing again
+        h.close()
+    assert lane.in_system() == 0 and admission.quotas.in_flight("t") == 0
+
+
+def test_ask_answers_with_the_decision_and_a_full_inbox_is_a_429_at_once():
+    async def main():
+        lane = _lane(capacity=1)
+        admission = Admission([lane], tenants=(TENANT,))
+        admission.ready = True
+        actor = asyncio.get_running_loop().create_task(admission.run())
+        try:
+            first = _handle(1)
+            assert isinstance(await admission.ask([_submit(first)]), Accepted)
+            assert first.lane is lane
+            second = _handle(2)
+            refused = await admission.ask([_submit(second)])
+            assert refused.status == 429 and second.lane is None
+        finally:
+            actor.cancel()
+        # the actor is gone: its inbox (capacity 1) fills, and the next ask is told at once
+        admission.inbox.put_nowait(object())
+        refused = await admission.ask([_submit(_handle(3))])
+        assert refused.status == 429 and refused.retry_after
+    asyncio.run(main())

@@ -27,9 +27,16 @@ def _core(tokenizer) -> EngineCore:
                                  eos_token_ids=frozenset({2})), tokenizer)
 
 
-def _request(core: EngineCore, rid: int, max_tokens: int = 20):
-    return core.add_request(rid, [1, 5], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                            reply_to=asyncio.Queue())
+QUEUES: dict[int, asyncio.Queue] = {}  # each request's reply queue, by request id
+
+
+def _request(core: EngineCore, replies: Replies, rid: int, max_tokens: int = 20, **params):
+    """A request joins: its reply side opens on a queue of its own (as the batcher opens it)."""
+    req = core.add_request(rid, [1, 5], SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                       **params))
+    QUEUES[rid] = asyncio.Queue()
+    replies.open(rid, QUEUES[rid])
+    return req
 
 
 def _token(req, tok: int, last: bool = False) -> None:
@@ -41,15 +48,15 @@ def _token(req, tok: int, last: bool = False) -> None:
 
 
 def _drain(req) -> list:
-    out = []
-    while not req.reply_to.empty():
-        out.append(req.reply_to.get_nowait())
+    out, queue = [], QUEUES[req.request_id]
+    while not queue.empty():
+        out.append(queue.get_nowait())
     return out
 
 
 def test_without_a_rate_every_output_goes_out_with_its_step(tokenizer):
     core, replies = _core(tokenizer), Replies()
-    req = _request(core, 1)
+    req = _request(core, replies, 1)
     for i, tok in enumerate(WORDS[:5]):
         _token(req, tok, last=i == 4)
         replies.refill(float(i))
@@ -63,7 +70,7 @@ def test_without_a_rate_every_output_goes_out_with_its_step(tokenizer):
 def test_past_the_rate_outputs_wait_and_leave_in_order_one_per_token(tokenizer):
     core = _core(tokenizer)
     replies = Replies(write_rate=100.0)  # bucket: 2 hand-offs (20 ms' worth), 1 per 10 ms
-    reqs = [_request(core, i) for i in range(4)]
+    reqs = [_request(core, replies, i) for i in range(4)]
 
     def step(k: int, now: float) -> None:
         replies.refill(now)
@@ -78,7 +85,7 @@ def test_past_the_rate_outputs_wait_and_leave_in_order_one_per_token(tokenizer):
     # nothing over, every Output waits
     step(1, 0.002)
     assert [len(_drain(r)) for r in reqs] == [0, 0, 0, 0]
-    assert all(len(r.held) == 1 for r in reqs)
+    assert all(replies.waiting(r) == 1 for r in reqs)
     # 1 ms, then 38 ms later: the bucket is back to 2, two hand-offs, the longest waiting
     # first
     step(2, 0.003)
@@ -96,7 +103,7 @@ def test_past_the_rate_outputs_wait_and_leave_in_order_one_per_token(tokenizer):
 def test_a_last_output_is_never_held_and_goes_out_behind_what_waited(tokenizer):
     core = _core(tokenizer)
     replies = Replies(write_rate=1.0)  # one hand-off a second: everything else waits
-    req = _request(core, 1)
+    req = _request(core, replies, 1)
     texts = []
     for i, tok in enumerate(WORDS[:6]):
         _token(req, tok, last=i == 5)
@@ -104,14 +111,14 @@ def test_a_last_output_is_never_held_and_goes_out_behind_what_waited(tokenizer):
         replies.advanced(req)
         replies.stepped()
         texts += [o.text for o in _drain(req)]
-    assert len(texts) == 6 and req.held == []
+    assert len(texts) == 6 and replies.waiting(req) == 0
     assert "".join(texts) == req.detok.text
 
 
 def test_a_failure_or_an_end_flushes_what_waited_first(tokenizer):
     core = _core(tokenizer)
     replies = Replies(write_rate=1.0)
-    a, b = _request(core, 1), _request(core, 2)
+    a, b = _request(core, replies, 1), _request(core, replies, 2)
     for r in (a, b):
         for tok in WORDS[:4]:
             _token(r, tok)
@@ -119,8 +126,9 @@ def test_a_failure_or_an_end_flushes_what_waited_first(tokenizer):
     replies.send(a, Failed(500, "boom"))
     got = _drain(a)
     assert [type(m) for m in got] == [Output] * 4 + [Failed]
-    replies.flush(b)  # (as the batcher forgets a request)
-    assert len(_drain(b)) == 4 and b.held == []
+    assert replies.waiting(b) == 3  # (its first Output went out at once)
+    replies.close(b)  # (as the batcher forgets a request)
+    assert len(_drain(b)) == 4 and replies.waiting(b) == 0
     replies.refill(10.0)
     replies.stepped()  # nothing left waiting: nothing is sent twice
     assert _drain(a) == [] and _drain(b) == []
@@ -129,7 +137,7 @@ def test_a_failure_or_an_end_flushes_what_waited_first(tokenizer):
 def test_the_stream_interval_still_merges_tokens_into_one_output(tokenizer):
     core = _core(tokenizer)
     replies = Replies(stream_interval=3, write_rate=1.0)
-    req = _request(core, 1)
+    req = _request(core, replies, 1)
     for i, tok in enumerate(WORDS[:8]):
         _token(req, tok, last=i == 7)
         replies.advanced(req)
@@ -141,7 +149,7 @@ def test_the_bucket_fills_with_time_and_holds_at_most_its_burst(tokenizer):
     second the bucket holds 20 (BURST_S), not 1,000: one burst, then waiting again."""
     core = _core(tokenizer)
     replies = Replies(write_rate=1000.0)
-    reqs = [_request(core, i) for i in range(8)]
+    reqs = [_request(core, replies, i) for i in range(8)]
     now = 0.0
     for k in range(12):
         now += 1.0 if k == 6 else 0.001
@@ -151,9 +159,9 @@ def test_the_bucket_fills_with_time_and_holds_at_most_its_burst(tokenizer):
             replies.advanced(r)
         replies.stepped()
         if k in (5, 11):
-            assert any(r.held for r in reqs)
+            assert any(replies.waiting(r) for r in reqs)
     for r in reqs:
-        replies.flush(r)
+        replies.close(r)
         assert [o.completion_tokens for o in _drain(r)] == list(range(1, 13))
 
 
@@ -165,7 +173,7 @@ def test_every_stream_waits_its_turn_whatever_its_place_in_the_step(tokenizer):
                                  max_num_batched_tokens=4096, max_model_len=128,
                                  vocab_size=512, eos_token_ids=frozenset({2})), tokenizer)
     replies = Replies(write_rate=5000.0)  # 50 per 10 ms step
-    reqs = [_request(core, i, max_tokens=40) for i in range(100)]
+    reqs = [_request(core, replies, i, max_tokens=40) for i in range(100)]
     longest = [0] * 100
     for k in range(30):
         replies.refill(0.010 * (k + 1))
@@ -174,7 +182,7 @@ def test_every_stream_waits_its_turn_whatever_its_place_in_the_step(tokenizer):
             replies.advanced(r)
         replies.stepped()
         for i, r in enumerate(reqs):
-            longest[i] = max(longest[i], len(r.held))
+            longest[i] = max(longest[i], replies.waiting(r))
             _drain(r)
     assert max(longest) <= 3, sorted(longest)[-5:]
 
@@ -184,12 +192,10 @@ def test_the_first_text_is_never_held_even_after_a_token_that_showed_none(tokeni
     "\\n\\n"), then text: that text is the reader's first and goes out at once."""
     core = _core(tokenizer)
     replies = Replies(write_rate=1.0)
-    req = core.add_request(1, [1, 5], SamplingParams(max_tokens=20, ignore_eos=True,
-                                                     stop=("\n\n",)),
-                           reply_to=asyncio.Queue())
+    req = _request(core, replies, 1, stop=("\n\n",))
     newline = tokenizer.encode("a\n", add_special_tokens=False)[-1]
     replies.refill(0.0)
-    other = _request(core, 2)
+    other = _request(core, replies, 2)
     _token(other, WORDS[1])
     replies.advanced(other)  # its first Output: out at once, and the bucket is empty
     assert len(_drain(other)) == 1
@@ -198,4 +204,4 @@ def test_the_first_text_is_never_held_even_after_a_token_that_showed_none(tokeni
         replies.advanced(req)
     got = _drain(req)
     assert [o.text for o in got] == ["\n" + tokenizer.decode([1, 5, newline, WORDS[0]])[
-        len(tokenizer.decode([1, 5, newline])):]] and req.held == []
+        len(tokenizer.decode([1, 5, newline])):]] and replies.waiting(req) == 0

@@ -139,7 +139,7 @@ def test_the_next_three_tokens_are_distributed_as_without_speculation(tmp_path, 
     # Broken on purpose: at the first rejection the rejected draft is emitted in place of
     # the residual's draw (the target's own draw there, which rejected it), so drafts are
     # over-represented.
-    from tinyserve.engine import step_outputs as so
+    from tinyserve.engine.running import step_outputs as so
     real = so._agreeing
 
     def broken(sq, toks, ends, i):

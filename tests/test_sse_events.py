@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
-from tinyserve.api.shaping import ChatShaper, CompletionShaper
+from tinyserve.api.openai.chat import ChatShaper
+from tinyserve.api.openai.completion import CompletionShaper
+from tinyserve.api.openai.requests import ChatCompletionRequest, CompletionRequest
 from tinyserve.api.sse import Events, encode
 from tinyserve.messages import Output, TokenInfo
 from tinyserve.models import STORIES260K

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tinyserve.api.tool_parsers import (
+from tinyserve.api.tools.parsers import (
     PARSERS,
     ToolCall,
     ToolCallDelta,

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from tinyserve.api.errors import ApiError
-from tinyserve.api.tools import ToolOutput, plan
+from tinyserve.api.tools.output import ToolOutput
+from tinyserve.api.tools.plan import plan
 
 F = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}}}}

@@ -231,8 +231,9 @@ def test_iteration_tokens_total_counts_as_vllm_does(tokenizer):
     async def main():
         async with Graph(tokenizer) as g:
             warm = RequestHandle(99, asyncio.Queue(maxsize=16))  # the server's own warm-up
-            g.batcher.inbox.put_nowait(Submit(99, prompt, SamplingParams(max_tokens=2),
-                                              time.monotonic(), warm, internal=True))
+            g.batcher.inbox.put_nowait(Submit(
+                request_id=99, prompt_token_ids=prompt, params=SamplingParams(max_tokens=2),
+                arrival_time=time.monotonic(), handle=warm, internal=True))
             while g.batcher.num_requests:
                 await asyncio.sleep(0.01)
             for i in range(requests):  # one after the other, as vLLM's test sends them

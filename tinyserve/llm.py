@@ -117,9 +117,8 @@ class LLM:
                 logprobs.append(entry)
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None:
-            prompt_logprobs = [None]
-            for token, (lp, _, top) in zip(seq.prompt_token_ids[1:], seq.prompt_lps, strict=True):
-                prompt_logprobs.append({**dict(top), token: lp})
+            infos, _ = seq.prompt_logprobs()
+            prompt_logprobs = [None] + [{**dict(t.top), t.token_id: t.logprob} for t in infos[1:]]
         return RequestOutput(seq.prompt_token_ids, tuple(seq.output_token_ids), req.detok.text,
                              seq.finish_reason or "abort", logprobs, seq.num_cached_tokens,
                              prompt_logprobs)

@@ -1,9 +1,9 @@
 """Every message that crosses an actor queue, in one file: this is the wiring diagram.
 
-    api/ --Submit--> Admission --Submit--> Batcher --StepPlan--> Executor
+    api/ ---Ask--> Admission --Submit--> Batcher --StepPlan--> Executor
        ^  |                 |                   ^  |                   |
        |  +----Abort--------|------------------>|  +---StepResult------+
-       +--Accepted/Failed---+                   |
+       +--Accepted/Failed---+ (the Ask's answer)|
        +--------Output/Failed (per request)-----+
     Batcher, Admission, api/ --StepStats/RequestFinished/Rerouted/...--> Metrics
 
@@ -145,7 +145,10 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
 # -- api -> Admission -> Batcher -------------------------------------------------------------
 
 
-class Submit(msgspec.Struct, frozen=True, tag=True):
+class Submit(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """One choice of an API request, to run: built by the API, decided by admission (inside
+    an Ask), run by the batcher."""
+
     request_id: int  # the server's own id (never the client's X-Request-Id)
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
@@ -165,8 +168,17 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
 
     @property
     def reply_to(self) -> Any:
-        """asyncio.Queue of Accepted | Failed | Output, owned by the request."""
+        """The request's reply queue (Output | Failed), owned by the request."""
         return self.handle.replies
+
+
+class Ask(msgspec.Struct, frozen=True, tag=True):
+    """api -> Admission: one API request's choices, decided together. ``answer`` (an
+    asyncio Future, the Ask's reply-to) gets Accepted (every choice admitted and sent on to its
+    batcher) or the Failed that refused them all."""
+
+    submits: tuple[Submit, ...]
+    answer: Any
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -185,7 +197,7 @@ class AbortAll(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-# -- replies on a request's own queue ---------------------------------------------------------
+# -- admission's answer, and replies on a request's own queue ----------------------------------
 
 
 class Accepted(msgspec.Struct, frozen=True, tag=True):

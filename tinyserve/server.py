@@ -261,15 +261,16 @@ class Server:
         t0 = time.perf_counter()
         handle = RequestHandle(rid, ReplyQueue(maxsize=8))
         prompt = (tokenizer.bos_token_id or 0,) * 2
-        await self.admission.inbox.put(Submit(rid, prompt, SamplingParams(
-            max_tokens=2, temperature=0.0, ignore_eos=True), time.monotonic(), handle,
-            model=model, internal=True))
+        submit = Submit(request_id=rid, prompt_token_ids=prompt, params=SamplingParams(
+            max_tokens=2, temperature=0.0, ignore_eos=True), arrival_time=time.monotonic(),
+            handle=handle, model=model, internal=True)
         try:
-            while True:
+            msg = await self.admission.ask((submit,), wait=True)
+            while not isinstance(msg, Failed):
                 msg = await handle.replies.get()
-                if isinstance(msg, Failed) or (isinstance(msg, Output) and msg.finish_reason):
-                    handle.done = True
+                if isinstance(msg, Output) and msg.finish_reason:
                     break
+            handle.done = True
         finally:
             handle.close()
         if isinstance(msg, Failed):

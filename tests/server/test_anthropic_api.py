@@ -23,11 +23,12 @@ from hypothesis import strategies as st
 
 from tests.server.helpers import MODEL, post, run
 from tests.server.inprocess import FakeRunner, InProcessServer
-from tinyserve.api.anthropic import MessagesShaper
-from tinyserve.api.anthropic_request import chat_request, decode
-from tinyserve.api.anthropic_types import CountTokensRequest, MessagesRequest
+from tinyserve.api.anthropic.request import chat_request, decode
+from tinyserve.api.anthropic.shaper import MessagesShaper
+from tinyserve.api.anthropic.types import CountTokensRequest, MessagesRequest
 from tinyserve.api.errors import ApiError
-from tinyserve.api.tools import ToolPlan
+from tinyserve.api.shaper import whole
+from tinyserve.api.tools.plan import ToolPlan
 from tinyserve.config import TenantConfig
 from tinyserve.messages import Output
 
@@ -543,7 +544,8 @@ def _outs(*texts: str, reason: str = "stop", stop: str | None = None) -> list[Ou
 def _events_and_body(outs: list[Output], plan: ToolPlan | None = None, one_call=False):
     streamed = MessagesShaper(MODEL, plan, one_call)
     events = [e for o in outs for e in streamed.chunks(o)]
-    body = msgspec.to_builtins(MessagesShaper(MODEL, plan, one_call).body_many([outs]))
+    body = msgspec.to_builtins(whole(MessagesShaper(MODEL, plan, one_call),
+                                     [(0, o) for o in outs]))
     snapshot, bufs = None, {}  # the SDK's own fold of the stream
     for _, payload in events:
         snapshot = accumulate_event(event=msgspec.to_builtins(payload),
@@ -598,7 +600,7 @@ def test_a_forced_call_cut_short_streams_what_was_written():
     streamed = MessagesShaper(MODEL, plan, False)
     events = [e for o in _outs('{"unit"', reason="length") for e in streamed.chunks(o)]
     assert [p.delta.partial_json for n, p in events if n == "content_block_delta"] == ['{"unit"']
-    body = msgspec.to_builtins(MessagesShaper(MODEL, plan, False).body_many(
-        [_outs('{"unit"', reason="length")]))
+    body = msgspec.to_builtins(whole(MessagesShaper(MODEL, plan, False),
+                                     [(0, o) for o in _outs('{"unit"', reason="length")]))
     assert body["content"][0]["input"] == {} and body["stop_reason"] == "max_tokens"
 

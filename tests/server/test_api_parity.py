@@ -9,10 +9,10 @@ from openai import OpenAI
 
 from tests.server.conftest import get
 from tests.server.helpers import MODEL, chat, completion, post, run
-from tinyserve.api import fields as api_fields
+from tinyserve.api import decode as api_fields
 from tinyserve.api.errors import ApiError
-from tinyserve.api.fields import decode_request
-from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
+from tinyserve.api.openai.fields import decode as decode_request
+from tinyserve.api.openai.requests import ChatCompletionRequest, CompletionRequest
 
 
 def client(server) -> OpenAI:
@@ -55,7 +55,7 @@ def test_fields_nobody_defines_are_ignored_and_logged_once(server, caplog):
     status, out, _ = run(post(server.url, "/v1/completions",
                               {**completion("Once"), "x_my_tracing_tag": "abc"}))
     assert status == 200, out
-    with caplog.at_level(logging.INFO, logger="tinyserve.api.fields"):
+    with caplog.at_level(logging.INFO, logger="tinyserve.api.decode"):
         api_fields._seen_unknown.discard("zz_unknown")
         for _ in range(3):
             decode_request(b'{"model": "m", "prompt": "x", "zz_unknown": 1}', CompletionRequest)
@@ -215,7 +215,7 @@ def test_openapi_names_every_api_route():
     import re
 
     from tinyserve.api.app import Api
-    from tinyserve.api.openapi import openapi_spec
+    from tinyserve.api.ops.openapi import openapi_spec
     from tinyserve.config import ServerConfig
 
     app = Api(ServerConfig()).app()
@@ -257,26 +257,23 @@ def test_skip_special_tokens_reaches_the_engine():
 
 
 def test_a_batch_no_wait_could_admit_is_a_400():
-    from types import SimpleNamespace
+    """Admission's answer, asked before anything is compiled (the API asks; it decides)."""
+    import asyncio
 
-    from tinyserve.api.generate import _check_batch
+    from tinyserve.actors.admission import Admission
+    from tinyserve.actors.lanes import Lane
     from tinyserve.config import TenantConfig
-    from tinyserve.messages import SamplingParams
 
-    b = SimpleNamespace(admission=SimpleNamespace(lanes={"m": SimpleNamespace(capacity=8)}))
-    params = SamplingParams(max_tokens=10)
+    def refusal(prompts, tenant):
+        admission = Admission([Lane("m", asyncio.Queue(), 8, 64)], tenants=(tenant,))
+        return admission.refuse_early(tenant.name, "m", prompts, 1, 10)
 
-    def fits(prompts, tenant):
-        job = SimpleNamespace(prompts=prompts, n=1, tenant=tenant, model="m", params=params)
-        _check_batch(b, job, len(prompts))
-
-    fits([[1, 2]] * 8, TenantConfig("t"))  # exactly the capacity
+    assert refusal([[1, 2]] * 8, TenantConfig("t")) is None  # exactly the capacity
     for tenant, n, what in ((TenantConfig("t"), 9, "capacity"),
                             (TenantConfig("t", max_concurrent=2), 3, "max_concurrent"),
                             (TenantConfig("t", tokens_per_minute=30), 3, "per minute")):
-        with pytest.raises(ApiError) as e:
-            fits([[1, 2]] * n, tenant)
-        assert e.value.status == 400 and what in e.value.message
+        failed = refusal([[1, 2]] * n, tenant)
+        assert failed.status == 400 and what in failed.message
 
 
 def test_batch_errors_name_the_prompt(server):

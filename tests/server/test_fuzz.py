@@ -569,15 +569,15 @@ def test_openapi_describes_both_request_schemas(srv):
 
 def test_raw_non_utf8_header_bytes_reach_the_server(srv, monkeypatch):
     seen = []
-    from tinyserve.api import completions
+    from tinyserve.api import pipeline
 
-    auth = completions.authenticate
+    auth = pipeline.authenticate
 
     def spy(request, tenants):
         seen.append((request.headers.get("Authorization"), request.headers.get("X-Request-Id")))
         return auth(request, tenants)
 
-    monkeypatch.setattr(completions, "authenticate", spy)
+    monkeypatch.setattr(pipeline, "authenticate", spy)
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
     headers = [("Authorization", b"Bearer sekr\xe9t\xff"), ("X-Request-Id", b"id-\xfe"),
                ("Content-Type", JSON)]

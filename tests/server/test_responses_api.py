@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tests.server.conftest import metric_value
 from tests.server.helpers import MODEL
 from tests.server.inprocess import InProcessServer
-from tinyserve.api.response_store import ResponseStore
+from tinyserve.api.responses.store import ResponseStore
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
           "required": ["answer"], "additionalProperties": False}

@@ -15,9 +15,18 @@ left while it waited here is decided as any other, and if admitted is aborted ri
 its Submit (no quota charged), so it ends as an abort in the metrics. Every rejection is
 counted by tenant and reason, every reroute by model, fallback, tenant and reason.
 
-Inbox capacity: the models' capacities together. The API puts without waiting; a full inbox
-means at least that many requests are already ahead of this one, so the API answers 429 +
-Retry-After right there, exactly as this actor would. Below capacity nobody is turned away.
+The API asks; admission decides. ``ask`` takes one API request's choices (n per prompt, a
+completions batch's prompts) and answers with one decision for them all: Accepted, every
+choice admitted, or the Failed that refused them - then none is (the choices admitted before
+the refused one give their slots and charges back). A batch no wait could ever admit (more
+choices than the tenant or the model may hold, more tokens than the tenant gets a minute) is a
+400 at once. ``refuse_early`` answers the same questions (and the tenant's quota as it stands)
+before the API compiles a grammar, so a refused request costs no compile.
+
+Inbox capacity: the models' capacities together (each Ask holds at least one choice). ``ask``
+puts without waiting; a full inbox means at least that many requests are already ahead of
+this one, so it answers 429 + Retry-After right there, exactly as the actor would. Below
+capacity nobody is turned away.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import msgspec
 from tinyserve.actors.lanes import Lane
 from tinyserve.actors.quotas import TenantQuotas
 from tinyserve.config import TenantConfig
-from tinyserve.messages import Accepted, AdmissionRejected, Failed, Rerouted, Submit
+from tinyserve.messages import Accepted, AdmissionRejected, Ask, Failed, Rerouted, Submit
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +68,7 @@ class Admission:
         self._emit = emit
         self._unhealthy = unhealthy  # the supervisor's verdict: None, or why not
         self.capacity = sum(lane.capacity for lane in lanes)
-        self.inbox: asyncio.Queue[Submit] = asyncio.Queue(maxsize=self.capacity)
+        self.inbox: asyncio.Queue[Ask] = asyncio.Queue(maxsize=self.capacity)
         self.ready = False  # set once the models are loaded and warmed up
         self.draining = False  # set on SIGTERM
 
@@ -91,22 +100,123 @@ class Admission:
                       "down": [n for n, m in models.items() if m["status"] == "down"],
                       "models": models}
 
+    # -- asking --------------------------------------------------------------------------------
+    async def ask(self, submits: Sequence[Submit], wait: bool = False) -> Accepted | Failed:
+        """One API request's choices, decided together (see the module docstring).
+        ``wait``: the server's own requests wait for room in the inbox instead of a 429."""
+        first = submits[0]
+        if len(submits) > 1:
+            refusal = self._refuse_batch(first.tenant, first.model, submits)
+            if refusal is not None:
+                return refusal
+        msg = Ask(tuple(submits), asyncio.get_running_loop().create_future())
+        if wait:
+            await self.inbox.put(msg)
+        else:
+            try:
+                self.inbox.put_nowait(msg)
+            except asyncio.QueueFull:  # capacity requests are already ahead of this one
+                self._emit(AdmissionRejected(first.tenant, "capacity", first.model))
+                return too_many(self.capacity)
+        return await msg.answer
+
+    def refuse_early(self, tenant: str, model: str, prompts: Sequence[Sequence[int]], n: int,
+                     max_tokens: int) -> Failed | None:
+        """Before a request's grammar is compiled (so a throttled tenant costs no compile):
+        a batch's limits, then the tenant's quota for one choice as it stands now - the
+        refusal, counted as admission counts its own, or None. The choice's cost is what
+        admission would charge, with a degradable tenant's completion capped where its
+        model's ladder caps it; admission decides again when the request arrives."""
+        if tenant not in self._tenants:
+            return None  # (admission will say)
+        if len(prompts) * n > 1:
+            refusal = self._batch_limits(self._tenants[tenant], model, [len(p) for p in prompts],
+                                         n, max_tokens)
+            if refusal is not None:
+                return refusal
+        lane = self.lanes.get(model, self._default)
+        if self._tenants[tenant].degradable and lane.slo.level >= 2:
+            max_tokens = min(max_tokens, DEGRADED_MAX_TOKENS)
+        refusal = self.quotas.refuse(tenant, len(prompts[0]) + max_tokens)
+        if refusal is None:
+            return None
+        self._emit(AdmissionRejected(tenant, refusal[0], lane.name))
+        return refusal[1]
+
+    def _refuse_batch(self, tenant: str, model: str, submits: Sequence[Submit]
+                      ) -> Failed | None:
+        """A batch's limits, for its Submits (each prompt's first choice carries the n)."""
+        if tenant not in self._tenants:
+            return None
+        n = submits[0].n or 1
+        lengths = [len(s.prompt_token_ids) for s in submits if s.n]
+        return self._batch_limits(self._tenants[tenant], model, lengths, n,
+                                  submits[0].params.max_tokens)
+
+    def _batch_limits(self, tenant: TenantConfig, model: str, prompt_lengths: list[int], n: int,
+                      max_tokens: int) -> Failed | None:
+        """A batch no wait could ever admit is a 400, not a 429 to retry forever: more choices
+        than the tenant may run at once or the model may hold, or more tokens than the
+        tenant's per-minute budget."""
+        prompts, choices = len(prompt_lengths), len(prompt_lengths) * n
+        lane = self.lanes.get(model, self._default)
+        for limit, what in ((tenant.max_concurrent, "the tenant's max_concurrent"),
+                            (lane.capacity, "the model's capacity")):
+            if limit is not None and choices > limit:
+                if n > 1:  # the choices of n, not (only) the prompts, are what exceeds it
+                    return Failed(400, f"n: {prompts} prompt(s) x n={n} is {choices} choices, "
+                                  f"more than {what} ({limit}); ask for fewer", param="n")
+                return Failed(400, f"prompt: a batch of {choices} prompts is more than {what} "
+                              f"({limit}); send fewer at once", param="prompt")
+        cost = sum(prompt_lengths) * n + choices * max_tokens
+        if tenant.tokens_per_minute is not None and cost > tenant.tokens_per_minute:
+            if n > 1:
+                return Failed(400, f"n: {prompts} prompt(s) x n={n} may use {cost} tokens, "
+                              f"more than the tenant's {tenant.tokens_per_minute} per minute; "
+                              "ask for fewer", param="n")
+            return Failed(400, f"prompt: the batch may use {cost} tokens, more than the "
+                          f"tenant's {tenant.tokens_per_minute} per minute", param="prompt")
+        return None
+
+    # -- deciding -----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
             msg = await self.inbox.get()
             try:
-                self._admit(msg)
+                decision = self._decide(msg.submits)
             except Exception:  # never lose a request silently: answer it
-                log.exception("admission failed for request %d", msg.request_id)
-                msg.reply_to.put_nowait(Failed(500, "admission failed"))
+                log.exception("admission failed for request %d", msg.submits[0].request_id)
+                decision = Failed(500, "admission failed")
+            if not msg.answer.done():  # (done: its handler is gone; the handles say so)
+                msg.answer.set_result(decision)
 
-    def _admit(self, msg: Submit) -> None:
+    def _decide(self, submits: Sequence[Submit]) -> Accepted | Failed:
+        """Every choice placed (its handle admitted), then sent on; or, at the first refused,
+        none: those placed before it are withdrawn."""
+        placed: list[tuple[Lane, Submit, Lane, str]] = []
+        for msg in submits:
+            got = self._place(msg)
+            if isinstance(got, Failed):
+                for _, done, _, _ in placed:
+                    done.handle.withdraw()
+                return got
+            placed.append(got)
+        for lane, msg, routed, why in placed:
+            lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (lanes.py)
+            if msg.handle.released:  # its client left while it waited here: end it as an abort
+                msg.handle.abort()  # (right behind its Submit: counted like any other)
+            if lane is not routed:
+                self._emit(Rerouted(routed.name, lane.name, msg.tenant, why))
+        return Accepted(placed[0][0].name)
+
+    def _place(self, msg: Submit) -> tuple[Lane, Submit, Lane, str] | Failed:
+        """Where one choice goes (lane, the Submit as it goes there, the lane it was routed
+        to, why it moved), its handle admitted there; or its refusal, counted."""
         fault = self._unhealthy()
         if fault or self.draining or not (self.ready or msg.internal):  # warm-up: before ready
             why = (f"the server is unhealthy: {fault}" if fault else
                    "the server is shutting down" if self.draining else "the model is not ready")
-            msg.reply_to.put_nowait(Failed(503, why, retry_after=5.0))
-            return
+            return Failed(503, why, retry_after=5.0)
         lane = routed = self.lanes.get(msg.model, self._default)
         refusal, why = None, ""
         if not msg.internal:
@@ -124,33 +234,9 @@ class Admission:
         if refusal is not None:
             reason, failed = refusal
             self._emit(AdmissionRejected(msg.tenant, reason, lane.name))
-            msg.reply_to.put_nowait(failed)
-            return
+            return failed
         msg.handle.admit(lane, msg, None if msg.internal else self.quotas)
-        lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (see lanes.py)
-        if msg.handle.released:  # its client left while it waited here: end it as an abort
-            msg.handle.abort()  # (right behind its Submit: counted like any other)
-        if lane is not routed:
-            self._emit(Rerouted(routed.name, lane.name, msg.tenant, why))
-        msg.reply_to.put_nowait(Accepted(lane.name))
-
-    def refuse_before_compile(self, tenant: str, model: str, prompt_tokens: int,
-                              max_tokens: int) -> Failed | None:
-        """The tenant's quota for one choice as it stands now, asked before its grammar is
-        compiled (so a throttled tenant costs no compile): the refusal, counted as admission
-        counts its own, or None. The choice's cost is what admission would charge, with a
-        degradable tenant's completion capped where its model's ladder caps it; admission
-        checks again when the request arrives."""
-        if tenant not in self._tenants:
-            return None  # (admission will say)
-        lane = self.lanes.get(model, self._default)
-        if self._tenants[tenant].degradable and lane.slo.level >= 2:
-            max_tokens = min(max_tokens, DEGRADED_MAX_TOKENS)
-        refusal = self.quotas.refuse(tenant, prompt_tokens + max_tokens)
-        if refusal is None:
-            return None
-        self._emit(AdmissionRejected(tenant, refusal[0], lane.name))
-        return refusal[1]
+        return lane, msg, routed, why
 
     def _spill(self, lane: Lane, msg: Submit) -> tuple[Lane, Submit] | None:
         """A degradable request its model has no room for goes to the fallback, if that has

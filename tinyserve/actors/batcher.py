@@ -30,7 +30,7 @@ import logging
 import time
 
 from tinyserve.actors.metrics import Metrics
-from tinyserve.actors.replies import Replies
+from tinyserve.actors.replies import Replies, reply
 from tinyserve.core.engine_core import EngineCore
 from tinyserve.core.request import Request
 from tinyserve.core.slo import SloController
@@ -148,8 +148,8 @@ class Batcher:
                 case AbortAll():
                     for waiting in self._after.values():
                         for sub in waiting:
-                            sub.reply_to.put_nowait(Failed(msg.status, msg.message,
-                                                           retry_after=5.0))
+                            reply(sub.reply_to, Failed(msg.status, msg.message,
+                                                       retry_after=5.0), sub.request_id)
                     self._after.clear()
                     for req in list(self.core.requests.values()):
                         self.replies.send(req, Failed(msg.status, msg.message,
@@ -210,13 +210,16 @@ class Batcher:
     def _add(self, msg: Submit) -> None:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                  msg.cache_salt, msg.priority, msg.tenant, reply_to=msg.reply_to,
+                                  msg.cache_salt, msg.priority, msg.tenant,
                                   arrival_time=msg.arrival_time, internal=msg.internal,
                                   n=msg.n, adapter=msg.adapter)
         except FieldError as e:
-            msg.reply_to.put_nowait(Failed(400, str(e), param=e.field))
+            reply(msg.reply_to, Failed(400, str(e), param=e.field), msg.request_id)
+            return
         except ValueError as e:  # (a duplicate id: a bug, but the request is still answered)
-            msg.reply_to.put_nowait(Failed(400, str(e)))
+            reply(msg.reply_to, Failed(400, str(e)), msg.request_id)
+            return
+        self.replies.open(msg.request_id, msg.reply_to)
 
     def _on_abort(self, request_id: int) -> None:
         req = self.core.requests.get(request_id)
@@ -225,7 +228,8 @@ class Batcher:
                 for sub in waiting:
                     if sub.request_id == request_id:
                         waiting.remove(sub)
-                        sub.reply_to.put_nowait(Output("", (), 0, finish_reason="abort"))
+                        reply(sub.reply_to, Output("", (), 0, finish_reason="abort"),
+                              sub.request_id)
                         if not waiting:
                             del self._after[first]
                         return
@@ -307,7 +311,7 @@ class Batcher:
         """Forget the request (freeing its blocks) and record how it finished; None: it failed
         (the API counts the error it answered, under request_errors_total)."""
         self.core.release(req.request_id)
-        self.replies.flush(req)  # (anything still waiting goes out before it is forgotten)
+        self.replies.close(req)  # (anything still waiting goes out before it is forgotten)
         if req.request_id in self._after:  # it ended before its first token: they go ahead
             self._release_after(req.request_id)
         if req.internal or reason is None:

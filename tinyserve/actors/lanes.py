@@ -1,9 +1,10 @@
 """A served model's lane (its slots and its batcher), and the handle that holds a request's
 slot from the API accepting it to release.
 
-    api: handle = RequestHandle(id, replies)  --Submit(handle)-->  admission
+    api: handle = RequestHandle(id, replies)  --Ask(Submit(handle), ...)-->  admission
     admission: handle.admit(lane, msg, quotas)  takes a slot (or refuses); a handle whose
-                                                reader has already gone is aborted at once
+                                                reader has already gone is aborted at once;
+               handle.withdraw()                its batch was refused after all: all back
     api: handle.abort()                 the reader left: one Abort(handle) to the batcher
     batcher: handle.abort_taken()       it has it
     api: handle.release()               the handler ended: unused tokens go back
@@ -72,7 +73,8 @@ class RequestHandle:
     lane: Lane | None = None  # set by admission: the model answering it
     generated: int = 0  # completion tokens the reader has seen (the rest is refunded)
     done: bool = False  # its final message (an Output with finish_reason, or Failed) arrived
-    _charge: tuple = field(default=(), repr=False)  # admission's: (quotas, tenant, max_tokens)
+    # admission's: (quotas, tenant, max_tokens, the cost charged: prompt + max_tokens)
+    _charge: tuple = field(default=(), repr=False)
     _released: bool = False
     _abort_pending: bool = False
     _holds_slot: bool = False
@@ -89,8 +91,22 @@ class RequestHandle:
         self.lane, self._holds_slot = lane, True
         lane.held += 1
         if quotas is not None and not self._released:
-            quotas.admit(msg.tenant, len(msg.prompt_token_ids) + msg.params.max_tokens)
-            self._charge = (quotas, msg.tenant, msg.params.max_tokens)
+            cost = len(msg.prompt_token_ids) + msg.params.max_tokens
+            quotas.admit(msg.tenant, cost)
+            self._charge = (quotas, msg.tenant, msg.params.max_tokens, cost)
+
+    def withdraw(self) -> None:
+        """Admission takes its ``admit`` back (a later choice of the same request was refused,
+        so none of them runs): nothing was sent yet; the slot and the whole charge return."""
+        if not self._holds_slot:
+            return
+        if self._charge:
+            quotas, tenant, _, cost = self._charge
+            quotas.release(tenant, cost)
+            self._charge = ()
+        self._holds_slot = False
+        self.lane.held -= 1
+        self.lane = None
 
     def abort(self) -> None:
         """Stop the request wherever it is: once admitted, one Abort goes to its batcher
@@ -116,7 +132,7 @@ class RequestHandle:
             return
         self._released = True
         if self._charge:
-            quotas, tenant, max_tokens = self._charge
+            quotas, tenant, max_tokens, _ = self._charge
             quotas.release(tenant, max(0, max_tokens - self.generated))
         self._free()
 

@@ -69,17 +69,24 @@ class Metrics:
             raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
                              f"got {namespace!r}")
         self.namespace = namespace
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_size)
-        p = namespace + ":"
+        self._request_series(token_buckets(max_model_len))
+        self._step_series(iteration_buckets(max_num_batched_tokens))
+        self._feature_series(lora, speculation)
+        self._admission_series()
+        self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
 
-        def per_model(cls, name: str, doc: str, *labels: str, **kw):
-            """A series about one model's work: labels model and model_name, then ``labels``."""
-            return cls(p + name, doc, [*MODEL, *labels], registry=r, **kw)
+    def _series(self, cls, name: str, doc: str, labels: list[str], **kw):
+        return cls(f"{self.namespace}:{name}", doc, labels, registry=self.registry, **kw)
 
-        H, G, C = Histogram, Gauge, Counter
-        tb = token_buckets(max_model_len)
-        # -- per request (RequestFinished)
+    def _per_model(self, cls, name: str, doc: str, *labels: str, **kw):
+        """A series about one model's work: labels model and model_name, then ``labels``."""
+        return self._series(cls, name, doc, [*MODEL, *labels], **kw)
+
+    def _request_series(self, tb: list[int]) -> None:
+        """Observed once a request finishes (RequestFinished)."""
+        per_model, H, C = self._per_model, Histogram, Counter
         self.ttft = per_model(H, "time_to_first_token_seconds", "Time to first token",
                               buckets=TTFT_BUCKETS)
         self.itl = per_model(H, "inter_token_latency_seconds", "Time between output tokens",
@@ -112,7 +119,10 @@ class Metrics:
         self.success = per_model(C, "request_success", "Finished requests", "finished_reason")
         self.goodput = per_model(C, "request_goodput", "Requests finished within the SLO "
                                  "(TTFT and mean ITL under their targets)", "tenant")
-        # -- per step (StepStats)
+
+    def _step_series(self, iteration_buckets: list[int]) -> None:
+        """Set after each step (StepStats)."""
+        per_model, H, G, C = self._per_model, Histogram, Gauge, Counter
         # vLLM v1's count, not the tokens the step computed (prompt_tokens_computed is that):
         # its test expects requests x (prompt + max_tokens) for uncached and cached prompts
         self.iter_tokens = per_model(H, "iteration_tokens_total", "Tokens per engine step, as "
@@ -120,7 +130,7 @@ class Metrics:
                                      "included) of each request that got its first token in "
                                      "the step, plus the tokens the step generated; steps that "
                                      "generate none are not observed",
-                                     buckets=iteration_buckets(max_num_batched_tokens))
+                                     buckets=iteration_buckets)
         self.running = per_model(G, "num_requests_running", "Requests in the running batch")
         self.waiting = per_model(G, "num_requests_waiting", "Requests waiting to run")
         self.kv_usage = per_model(G, "kv_cache_usage_perc",
@@ -134,6 +144,16 @@ class Metrics:
                                          "Prompt tokens run through the model (prefix-cache "
                                          "hits excluded, recomputes after preemption included)")
         self.preemptions = per_model(C, "num_preemptions", "Sequences preempted")
+        self.degradation = per_model(G, "degradation_level",
+                                     "0 normal; 1 shedding the lowest priority; 2 and capping "
+                                     "degradable tenants; 3 only the highest priority")
+        self.slo_limit = per_model(G, "slo_limit", "Requests the SLO controller lets the server "
+                                   "hold (running + waiting); 0 without --slo-*")
+
+    def _feature_series(self, lora: bool, speculation: bool) -> None:
+        """Speculation's and LoRA's series (only where a model has them: no empty families),
+        and vLLM's deprecated names under vllm:."""
+        per_model, H, G, C = self._per_model, Histogram, Gauge, Counter
         # Speculative decoding (only where configured), vLLM's names
         self.spec = None
         if speculation:
@@ -148,28 +168,27 @@ class Metrics:
         # lora_requests_info: one sample whose labels list the adapters running and waiting
         self.lora_info = self.lora_requests = self.lora_loads = None
         if lora:
-            self.lora_info = Gauge(p + "lora_requests_info", "Running stats on LoRA requests",
-                                   ["max_lora", "waiting_lora_adapters",
-                                    "running_lora_adapters"], registry=r)
+            self.lora_info = self._series(Gauge, "lora_requests_info",
+                                          "Running stats on LoRA requests",
+                                          ["max_lora", "waiting_lora_adapters",
+                                           "running_lora_adapters"])
             self.lora_requests = per_model(C, "lora_requests", "Requests finished, by the "
                                            "LoRA adapter they ran with", "lora_name")
             self.lora_loads = per_model(C, "lora_loads", "LoRA adapters copied into a device "
                                         "slot (the first load and every swap after)")
-        self.degradation = per_model(G, "degradation_level",
-                                     "0 normal; 1 shedding the lowest priority; 2 and capping "
-                                     "degradable tenants; 3 only the highest priority")
-        self.slo_limit = per_model(G, "slo_limit", "Requests the SLO controller lets the server "
-                                   "hold (running + waiting); 0 without --slo-*")
         # vLLM's deprecated names, for readers of older vLLM (endpoint pickers before v1.3 read
         # gpu_cache_usage_perc): only under vllm:, where nothing else would show them
-        self.aliases = namespace == "vllm"
+        self.aliases = self.namespace == "vllm"
         if self.aliases:
             self.tpot_alias = per_model(H, "time_per_output_token_seconds", "Time between "
                                         "output tokens (DEPRECATED in vLLM: use "
                                         "inter_token_latency_seconds)", buckets=ITL_BUCKETS)
             self.kv_usage_alias = per_model(G, "gpu_cache_usage_perc", "KV-cache usage (0-1); "
                                             "DEPRECATED in vLLM: use kv_cache_usage_perc")
-        # -- admission, the API, the server
+
+    def _admission_series(self) -> None:
+        """Admission's, the API's and the server's."""
+        per_model, C = self._per_model, Counter
         self.cache_info = per_model(Info, "cache_config", "KV cache configuration")
         self.rejections = per_model(C, "admission_rejections",
                                     "Requests turned away by admission, by model, tenant and "
@@ -180,20 +199,19 @@ class Metrics:
                                    "served by its fallback, by reason: degraded (SLO ladder "
                                    "level 2+) or down (its steps fail)", "fallback", "tenant",
                                    "reason")
-        self.errors = Counter(p + "request_errors", "Requests answered with an error",
-                              ["code"], registry=r)
-        self.api_requests = Counter(p + "api_requests", "API requests answered, by route "
-                                    "(its path template) and HTTP status (499: the client "
-                                    "left first)", ["endpoint", "code"], registry=r)
+        self.errors = self._series(C, "request_errors", "Requests answered with an error",
+                                   ["code"])
+        self.api_requests = self._series(C, "api_requests", "API requests answered, by route "
+                                         "(its path template) and HTTP status (499: the client "
+                                         "left first)", ["endpoint", "code"])
         self.constraint_failures = per_model(
             C, "constraint_failures", "Requests ended with an error mid-generation because "
             "their constraints could not go on: reason grammar (past a matcher limit), dead_end "
             "(the grammar allows no token), nothing_allowed (grammar, logit_bias bans and "
             "min_tokens leave no token) - all a 400 - or grammar_crash (the matcher raised: a "
             "500)", "reason")
-        self.dropped = Counter(p + "metrics_events_dropped", "Metric events dropped (full inbox)",
-                               registry=r)
-        self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
+        self.dropped = self._series(C, "metrics_events_dropped",
+                                    "Metric events dropped (full inbox)", [])
 
     def set_cache_config(self, model: str, block_size: int, num_blocks: int,
                          cache_dtype: str = "auto") -> None:

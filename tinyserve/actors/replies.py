@@ -6,8 +6,12 @@ request's reply queue wakes its reader, which shapes what it finds there and wri
 the socket: per hand-off a task switch, a write and (on a loopback peer) the receiver's TCP
 work inside our ``send``, the largest costs a token has at a small model's step rate.
 
-So hand-offs are rationed: a token bucket of ``write_rate`` per second of the model's
-steps, for its requests together. While it has tokens every Output goes out with the step
+Each request's reply side is owned here, in a reader record opened when the request joins and
+closed when it ends: its queue, the tokens already handed over, whether its prompt logprobs
+went out, the Outputs waiting.
+
+Those costs are why hand-offs are rationed: a token bucket of ``write_rate`` per second of
+the model's steps, for its requests together. While it has tokens every Output goes out with the step
 that made it (a few streams, or slow steps: no change at all). Past it, Outputs wait on
 their request, longest-waiting request first, and go out together in its next hand-off -
 each still its own Output, so a stream still gets one SSE event per token, in fewer, larger
@@ -23,8 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 from tinyserve.actors.reply_queue import ReplyQueue
+from tinyserve.core import stopping
 from tinyserve.core.request import Request
 from tinyserve.messages import Failed, Output, TokenInfo
 
@@ -33,18 +40,29 @@ log = logging.getLogger(__name__)
 BURST_S = 0.02  # the bucket holds at most this long's worth of hand-offs
 
 
-def reply(req: Request, msg: Output | Failed) -> None:
+def reply(queue: Any, msg: Output | Failed, request_id: int) -> None:
     """Never blocks and never raises: the queue is sized for every reply a request can get,
     and one that is full anyway belongs to a reader that is gone or already failed."""
     try:
-        req.reply_to.put_nowait(msg)
+        queue.put_nowait(msg)
     except asyncio.QueueFull:
-        log.warning("request %d: reply queue full, dropping %s", req.request_id,
-                    type(msg).__name__)
+        log.warning("request %d: reply queue full, dropping %s", request_id, type(msg).__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Reader:
+    """One request's reply side."""
+
+    request_id: int
+    queue: Any  # the request's own bounded reply queue (a ReplyQueue)
+    sent_tokens: int = 0  # output tokens already handed to the queue
+    prompt_logprobs_sent: bool = False
+    held: list[Output] = field(default_factory=list)  # Outputs waiting to go out
+    handed: bool = False  # its reader has been handed something
 
 
 class Replies:
-    """Owns the Outputs that wait (on their Request's ``held``) and the hand-off budget."""
+    """Owns every request's reply side, the Outputs that wait, and the hand-off budget."""
 
     def __init__(self, stream_interval: int = 1, write_rate: float = 0.0) -> None:
         self._interval = stream_interval
@@ -52,8 +70,24 @@ class Replies:
         self._cap = max(write_rate * BURST_S, 1.0)
         self._budget = self._cap
         self._last = float("-inf")  # when the last step came back
-        # requests with Outputs waiting, the longest-waiting first (dicts keep insertion order)
-        self._waiting: dict[Request, None] = {}
+        self._readers: dict[int, _Reader] = {}  # by request id
+        # readers with Outputs waiting, the longest-waiting first (dicts keep insertion order)
+        self._waiting: dict[_Reader, None] = {}
+
+    def open(self, request_id: int, queue: Any) -> None:
+        """A request joined: what it is sent goes to ``queue``."""
+        self._readers[request_id] = _Reader(request_id, queue)
+
+    def close(self, req: Request) -> None:
+        """It ended: anything still waiting goes out, and its reply side is forgotten."""
+        r = self._readers.pop(req.request_id, None)
+        if r is not None:
+            self._flush(r)
+
+    def waiting(self, req: Request) -> int:
+        """Its Outputs that wait to go out (a snapshot)."""
+        r = self._readers.get(req.request_id)
+        return 0 if r is None else len(r.held)
 
     def refill(self, now: float) -> None:
         """A step is back at ``now``: the hand-offs earned since the last (before
@@ -64,95 +98,82 @@ class Replies:
 
     def advanced(self, req: Request) -> None:
         """A step gave it new tokens: its Output, if one is due, goes out or waits."""
-        seq = req.seq
-        if self._interval > 1 and not (seq.finish_reason is not None or not req.sent_tokens or
-                                       seq.num_output_tokens - req.sent_tokens >= self._interval):
+        r, seq = self._readers[req.request_id], req.seq
+        if self._interval > 1 and not (seq.finish_reason is not None or not r.sent_tokens or
+                                       seq.num_output_tokens - r.sent_tokens >= self._interval):
             return
-        out = self._output(req)
+        out = _output(req, r)
         if out is None:
             return
         # the first text a reader sees (not the first token: that may have shown nothing)
-        if not self._rate or not req.handed or out.finish_reason is not None:
-            self.send(req, out)
+        if not self._rate or not r.handed or out.finish_reason is not None:
+            self._send(r, out)
             return
         # In line behind those already waiting, even when the bucket has room: a request
         # served here, ahead of them, would take this step's hand-offs first every step
         # (the steps' order is the same each time) and the last in it would wait to the end.
-        req.held.append(out)
-        if req not in self._waiting:
-            self._waiting[req] = None
+        r.held.append(out)
+        if r not in self._waiting:
+            self._waiting[r] = None
 
     def stepped(self) -> None:
         """After a step's results: hand over what the budget allows, longest waiting first."""
         while self._waiting and self._budget >= 1.0:
             self._budget -= 1.0
-            self.flush(next(iter(self._waiting)))
+            self._flush(next(iter(self._waiting)))
 
     def send(self, req: Request, msg: Output | Failed) -> None:
         """Hand ``msg`` over now, behind whatever of the request's is waiting."""
-        if req.held:
-            self.flush(req)
+        self._send(self._readers[req.request_id], msg)
+
+    def _send(self, r: _Reader, msg: Output | Failed) -> None:
+        if r.held:
+            self._flush(r)
         if self._rate:
             self._budget -= 1.0
-        req.handed = True
-        reply(req, msg)
+        r.handed = True
+        reply(r.queue, msg, r.request_id)
 
-    def flush(self, req: Request) -> None:
-        """Everything of the request's that waits, now (before a last reply, and as it ends)."""
-        self._waiting.pop(req, None)
-        held, req.held = req.held, []
-        if type(req.reply_to) is ReplyQueue:
+    def _flush(self, r: _Reader) -> None:
+        """Everything of the reader's that waits, now (before a last reply, and as it ends)."""
+        self._waiting.pop(r, None)
+        held, r.held = r.held, []
+        if type(r.queue) is ReplyQueue:
             try:
-                req.reply_to.put_many(held)  # (one call for the lot: the common case)
+                r.queue.put_many(held)  # (one call for the lot: the common case)
                 return
             except asyncio.QueueFull:
                 pass  # (as many as fit, then reply's warning for each of the rest)
         for out in held:
-            reply(req, out)
-
-    # -- the Output ------------------------------------------------------------------------------
-    @staticmethod
-    def _output(req: Request) -> Output | None:
-        """The text and tokens new since the last Output: O(new tokens), whatever the history.
-        None: nothing to show yet (e.g. half a UTF-8 character held back)."""
-        seq = req.seq
-        finished = seq.finish_reason is not None  # (seq.is_finished: one call fewer a token)
-        text = req.detok.stream_delta(finished)
-        num_prompt = len(seq.prompt_token_ids)
-        n_out = len(seq.token_ids) - num_prompt
-        new = n_out - req.sent_tokens
-        p = seq.params
-        ids: tuple[int, ...] = ()
-        tokens: tuple[TokenInfo, ...] = ()
-        if new > 0 and (p.logprobs is not None or p.return_token_ids):
-            ids = tuple(seq.token_ids[num_prompt + req.sent_tokens:])
-            if p.logprobs is not None:
-                tokens = tuple(TokenInfo(t, lp, top or ()) for t, (lp, top) in zip(
-                    ids, seq.logprobs[req.sent_tokens:], strict=True))
-        req.sent_tokens = n_out
-        if not text and not ids and not finished:
-            return None
-        prompt_lps, ranks = None, ()
-        if p.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            req.prompt_logprobs_sent = True  # once: O(prompt) on the first Output only
-            prompt = seq.prompt_token_ids
-            prompt_lps = (None,) + tuple(TokenInfo(prompt[i + 1], lp, top)
-                                         for i, (lp, _, top) in enumerate(seq.prompt_lps))
-            ranks = tuple(rank for _, rank, _ in seq.prompt_lps)
-        # (positional, in Output's field order: one of these per streamed token)
-        return Output(text, tokens, new, seq.finish_reason, num_prompt, n_out,
-                      seq.num_cached_tokens, prompt_lps, ranks,
-                      _stop_reason(req) if finished else None,
-                      ids if p.return_token_ids else ())
+            reply(r.queue, out, r.request_id)
 
 
-def _stop_reason(req: Request) -> str | int | None:
-    """What ended a request that finished with "stop": its stop string, or its stop token
-    (EOS: None, as vLLM reports it)."""
+def _output(req: Request, r: _Reader) -> Output | None:
+    """The text and tokens new since the reader's last Output: O(new tokens), whatever the
+    history. None: nothing to show yet (e.g. half a UTF-8 character held back)."""
     seq = req.seq
-    if seq.finish_reason != "stop":
+    finished = seq.finish_reason is not None  # (seq.is_finished: one call fewer a token)
+    text = req.detok.stream_delta(finished)
+    num_prompt = len(seq.prompt_token_ids)
+    n_out = len(seq.token_ids) - num_prompt
+    new = n_out - r.sent_tokens
+    p = seq.params
+    ids: tuple[int, ...] = ()
+    tokens: tuple[TokenInfo, ...] = ()
+    if new > 0 and (p.logprobs is not None or p.return_token_ids):
+        ids = tuple(seq.token_ids[num_prompt + r.sent_tokens:])
+        if p.logprobs is not None:
+            tokens = tuple(TokenInfo(t, lp, top or ()) for t, (lp, top) in zip(
+                ids, seq.logprobs[r.sent_tokens:], strict=True))
+    r.sent_tokens = n_out
+    if not text and not ids and not finished:
         return None
-    if req.detok.matched is not None:
-        return req.detok.matched
-    last = seq.token_ids[-1]
-    return last if last in seq.params.stop_token_ids else None
+    prompt_lps, ranks = None, ()
+    if p.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+        r.prompt_logprobs_sent = True  # once: O(prompt) on the first Output only
+        prompt_lps, ranks = seq.prompt_logprobs()
+    # (positional, in Output's field order: one of these per streamed token)
+    return Output(text, tokens, new, seq.finish_reason, num_prompt, n_out,
+                  seq.num_cached_tokens, prompt_lps, ranks,
+                  stopping.stop_reason(seq, req.detok) if finished else None,
+                  ids if p.return_token_ids else ())

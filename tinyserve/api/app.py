@@ -1,32 +1,36 @@
-"""The HTTP face as the server sees it: the aiohttp application (routes and middlewares), the
+r"""The HTTP face as the server sees it: the aiohttp application (routes and middlewares), the
 loaded models once the server sets them, and the requests still waiting on an answer.
 
-    POST /v1/completions, /v1/chat/completions   completions.py -> generate.py (-> sse.py)
-    POST /v1/messages, /v1/messages/count_tokens  anthropic.py (Anthropic's Messages API, on the
-                                                  chat path)
-    POST /v1/responses, GET/DELETE .../{id}       responses.py (the chat path; response_store.py)
-    GET  /v1/models, /v1/models/{id}              info.py
-    POST /tokenize, /detokenize                   info.py
-    GET  /openapi.json                            info.py (openapi.py)
-    GET  /health, /ready, /metrics                probes.py
-    GET, POST /admin/routes                       admin.py
-    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   lora_admin.py
+    POST /v1/completions, /v1/chat/completions   openai/routes.py   \  pipeline.py (auth, decode,
+    POST /v1/responses                           responses/routes.py > prepare.py) -> generate.py
+    POST /v1/messages                            anthropic/routes.py/  (-> sse.py, or the fold)
+    GET, DELETE /v1/responses/{id}               responses/routes.py (store.py)
+    POST /v1/messages/count_tokens               anthropic/routes.py
+    GET  /v1/models, /v1/models/{id}             openai/models.py
+    POST /tokenize, /detokenize                  openai/tokenize.py
+    GET  /openapi.json                           ops/openapi.py
+    GET  /health, /ready, /metrics               ops/probes.py
+    GET, POST /admin/routes                      ops/routes.py
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   ops/loras.py
 """
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from tinyserve.api.admin import AdminRoutes
-from tinyserve.api.anthropic import MessagesRoutes
-from tinyserve.api.completions import CompletionRoutes
-from tinyserve.api.context import ApiContext, Serving
+from tinyserve import __version__
+from tinyserve.api.anthropic.routes import MessagesRoutes
+from tinyserve.api.context import ApiContext, Serving, json_response
 from tinyserve.api.generate import Generator
-from tinyserve.api.info import InfoRoutes
-from tinyserve.api.lora_admin import LoraAdminRoutes
 from tinyserve.api.middleware import middlewares
-from tinyserve.api.probes import Probes
-from tinyserve.api.responses import ResponsesRoutes
+from tinyserve.api.openai.models import ModelRoutes
+from tinyserve.api.openai.routes import CompletionRoutes
+from tinyserve.api.openai.tokenize import TokenizeRoutes
+from tinyserve.api.ops.loras import LoraAdminRoutes
+from tinyserve.api.ops.openapi import openapi_spec
+from tinyserve.api.ops.probes import Probes
+from tinyserve.api.ops.routes import AdminRoutes
+from tinyserve.api.responses.routes import ResponsesRoutes
 from tinyserve.config import ServerConfig
 
 
@@ -58,7 +62,8 @@ class Api:
         chain = middlewares(ctx.cfg.access_log, ctx.count_error, ctx.count_answer)
         app = web.Application(middlewares=chain,
                               client_max_size=ctx.cfg.max_body_bytes)
-        gen, info = CompletionRoutes(ctx, self.generator), InfoRoutes(ctx)
+        gen, models, tokens = CompletionRoutes(ctx, self.generator), ModelRoutes(ctx), \
+            TokenizeRoutes(ctx)
         responses = ResponsesRoutes(ctx, self.generator)
         probes, admin = Probes(ctx), AdminRoutes(ctx)
         anthropic = MessagesRoutes(ctx, self.generator)
@@ -73,11 +78,11 @@ class Api:
                 ("POST", "/v1/responses", responses.create),
                 ("GET", "/v1/responses/{response_id}", responses.get),
                 ("DELETE", "/v1/responses/{response_id}", responses.delete),
-                ("GET", "/v1/models", info.models),
-                ("GET", "/v1/models/{model_id:.+}", info.model),
-                ("POST", "/tokenize", info.tokenize),
-                ("POST", "/detokenize", info.detokenize),
-                ("GET", "/openapi.json", info.openapi),
+                ("GET", "/v1/models", models.models),
+                ("GET", "/v1/models/{model_id:.+}", models.model),
+                ("POST", "/tokenize", tokens.tokenize),
+                ("POST", "/detokenize", tokens.detokenize),
+                ("GET", "/openapi.json", _openapi),
                 ("GET", "/health", probes.health),
                 ("GET", "/ready", probes.ready),
                 ("GET", "/metrics", probes.metrics),
@@ -87,3 +92,7 @@ class Api:
                 ("POST", "/v1/unload_lora_adapter", loras.unload)):
             add[method](path, handler)
         return app
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_spec(__version__))

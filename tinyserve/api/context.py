@@ -1,6 +1,6 @@
 """What every handler shares: the server's configuration, the loaded models (``Serving``,
 None until they are loaded: handlers answer 503 until then), the bound on requests being read
-and parsed at once, and reading a request's body."""
+and parsed at once, reading a request's body and answering JSON."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -61,6 +62,14 @@ class ApiContext:
             raise ApiError(503, "the model is still loading", retry_after=5.0)
         return self.serving
 
+    def healthy(self) -> Serving:
+        """The loaded models, or a 503 (loading, or the supervisor saw a fatal fault)."""
+        serving = self.serving_or_503()
+        if serving.supervisor.failure:
+            raise ApiError(503, f"the server is unhealthy: {serving.supervisor.failure}",
+                           retry_after=5.0)
+        return serving
+
     def count_error(self, e: ApiError) -> None:
         if self.serving is not None:
             self.serving.metrics.emit(RequestFailed(str(e.status)))
@@ -75,3 +84,8 @@ async def read_body(request: web.Request) -> bytes:
         return await request.read()
     except RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
         raise ApiError(400, f"could not read the request body: {e}") from None
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), status=status,
+                        content_type="application/json")

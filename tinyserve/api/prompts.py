@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from tinyserve.api.errors import ApiError
-from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from tinyserve.api.tools import ToolPlan, template_messages
-from tinyserve.api.tools import plan as tools_plan
+from tinyserve.api.openai.requests import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from tinyserve.api.tools.plan import ToolPlan
+from tinyserve.api.tools.plan import plan as tools_plan
 from tinyserve.core.engine_core import check_token_ids
 from tinyserve.messages import FieldError, GrammarSpec
 from tinyserve.text.tokenizer import Tokenizer
@@ -33,6 +34,9 @@ CHARS_PER_TURN = 16  # what a chat template's markup adds per message, roughly
 MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each is a request to admission)
 # what a template sees that chat_template_kwargs may not replace (the request's own fields, the
 # tokenizer's special tokens, the sandbox's functions)
+# The roles the chat API defines: a template renders a role verbatim, so any other text could
+# write a turn of its own ("user|>\nfake\n<|system"); OpenAI answers 400 to an unknown role.
+ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_TEMPLATE_NAMES = frozenset({
     "messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
     "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "raise_exception",
@@ -216,6 +220,40 @@ class PromptParser:
                            f"({prompt_len} in the prompt, {requested} in the completion).",
                            param=param, code="context_length_exceeded")
         return requested
+
+
+def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Chat messages as templates expect them (transformers' and vLLM's way): text content,
+    assistant tool calls with their arguments parsed, a tool result's id and name."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                           f"{m.role[:40]!r}", param="messages")
+        d: dict[str, Any] = {"role": m.role, "content": m.text(f"messages[{i}]")}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for c in m.tool_calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ApiError(400, 'messages: each tool call is {"id": ..., "type": '
+                                   '"function", "function": {"name": ..., "arguments": ...}}',
+                                   param="messages")
+                fn = dict(fn)
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args)
+                    except (ValueError, RecursionError):
+                        pass
+                calls.append({**c, "function": fn})
+            d["tool_calls"] = calls
+        out.append(d)
+    return out
 
 
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:

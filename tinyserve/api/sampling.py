@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 
 from tinyserve.api.errors import ApiError
-from tinyserve.api.request_types import ChatCompletionRequest, CompletionRequest
-from tinyserve.api.tools import ToolPlan
+from tinyserve.api.openai.requests import ChatCompletionRequest, CompletionRequest
+from tinyserve.api.tools.plan import ToolPlan
 from tinyserve.messages import (
     FULL_VOCAB,
     MAX_LOGIT_BIAS,
@@ -80,6 +80,13 @@ def sampling_params(req: Generating, max_tokens: int, tools: ToolPlan | None = N
     except FieldError as e:
         raise ApiError.from_field(e) from None
     return params, field
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    """Every choice of a request is a request to admission: at most MAX_N of them."""
+    if num_prompts * n > MAX_N:
+        raise ApiError(400, f"n: {num_prompts} prompts x n={n} is more than {MAX_N} choices "
+                       "per request", param="n")
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:

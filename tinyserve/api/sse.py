@@ -19,7 +19,7 @@ from aiohttp import web
 
 from tinyserve.api.access_log import AccessInfo
 from tinyserve.api.errors import ApiError
-from tinyserve.api.shaping import Shaper, logprob_entries
+from tinyserve.api.shaper import Shaper, logprob_entries
 from tinyserve.messages import Output
 
 WRITE_TIMEOUT_S = 30.0  # a streaming client that reads nothing for this long has gone
@@ -70,8 +70,7 @@ class Events:
 
     def __init__(self, shaper: Shaper) -> None:
         self._shaper = shaper
-        # (the Messages and Responses shapers have no templates: every chunk in full)
-        self._plain = getattr(shaper, "plain", lambda index: False)
+        self._plain = shaper.plain  # (the Messages and Responses shapers': never)
         self._templates: dict[int, tuple[bytes, bytes] | None] = {}
 
     def __call__(self, outs: list[tuple[int, Output]]) -> bytes:

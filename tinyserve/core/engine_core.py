@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tinyserve.config import SpeculativeConfig
+from tinyserve.core import stopping
 from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.block_pool import BlockPool
 from tinyserve.core.engines import EngineInfo
@@ -105,13 +106,6 @@ class EngineCore:
         self.requests[request_id] = req
         return req
 
-    def _stop_token(self, seq: Sequence) -> bool:
-        """The last token is a stop token whose text stays out of the output."""
-        last, p = seq.token_ids[-1], seq.params
-        if not p.ignore_eos and last in self.cfg.eos_token_ids:
-            return True
-        return last in p.stop_token_ids and not p.include_stop_str_in_output
-
     def release(self, request_id: int) -> Request | None:
         """Forget a request; one still unfinished is aborted (its blocks are freed at once)."""
         req = self.requests.pop(request_id, None)
@@ -130,40 +124,13 @@ class EngineCore:
         """Apply a step's tokens; detokenize; finish on stop strings. Returns the requests that
         advanced or failed. Finished ones stay in ``requests`` until ``release``."""
         updated = []
+        eos, finish = self.cfg.eos_token_ids, self.scheduler.finish
         for seq in self.scheduler.update(plan, result):
             req = self.requests[seq.seq_id]
             if seq.finish_reason != "error":
-                self._detokenize(seq, req)
+                stopping.after_text(seq, req.detok, eos, finish)
             updated.append(req)
         return updated
-
-    def _detokenize(self, seq: Sequence, req: Request) -> None:
-        """The step's new tokens (one, or a verify's several) into the text. A stop token
-        (EOS, stop_token_ids) ends the text without appearing in it, as in vLLM; it still
-        counts as a completion token. A stop string ends it where it matches: a verify's
-        tokens after that one are dropped, as plain decoding would never have drawn them."""
-        if seq.num_new == 1 and seq.finish_reason is None:  # a decode's token: the common case
-            detok = req.detok
-            detok.add(seq.token_ids[-1])
-            if detok.stopped:
-                self.scheduler.finish(seq, "stop")
-            return
-        new = seq.token_ids[len(seq.token_ids) - seq.num_new:]
-        for i, token in enumerate(new):
-            if i == len(new) - 1 and seq.finish_reason == "stop" and self._stop_token(seq):
-                return
-            req.detok.add(token)
-            if req.detok.stopped:
-                extra = len(new) - 1 - i
-                if extra:  # (they would never have been drawn: whatever ended the
-                    del seq.token_ids[-extra:]  # sequence at the last of them did not)
-                    if seq.params.logprobs is not None:
-                        del seq.logprobs[-extra:]
-                    seq.num_new -= extra
-                    seq.finish_reason = seq.finish_reason and "stop"
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")
-                return
 
 
 # -- the vocabulary rules: here only (the API runs them too, before it answers 200) ----------

@@ -35,12 +35,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tinyserve.config import SpeculativeConfig
+from tinyserve.core import stopping
 from tinyserve.core.kv_manager import KVCacheManager, min_kv_blocks
 from tinyserve.core.lora_slots import LoraSlots
 from tinyserve.core.plan_entries import plan_entry, verify_entry
 from tinyserve.core.sequence import SeqStatus, Sequence
 from tinyserve.core.speculation import Speculator
-from tinyserve.messages import FieldError, ScheduledSeq, StepPlan, StepResult
+from tinyserve.messages import FieldError, ScheduledSeq, SeqOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,8 @@ class Scheduler:
         if seq.num_tokens >= self.cfg.max_model_len:
             raise FieldError("prompt", f"prompt: {seq.num_tokens} tokens leave no room to "
                              f"generate within max_model_len {self.cfg.max_model_len}")
-        p = seq.params
-        seq.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else
-                                                         self.cfg.eos_token_ids)
-        seq.token_limit = min(len(seq.prompt_token_ids) + p.max_tokens, self.cfg.max_model_len)
+        seq.stop_ids, seq.token_limit = stopping.limits(
+            seq.params, len(seq.prompt_token_ids), self.cfg.eos_token_ids, self.cfg.max_model_len)
         self.seqs[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=_order)
         if not self._active[seq.tenant]:  # (re)joining: no credit for the time it was idle
@@ -348,48 +347,38 @@ class Scheduler:
             if out.error is not None:  # its constraints cannot go on: no token, an error
                 seq.error = (out.error_reason, out.error)
                 self.finish(seq, "error")
-                updated.append(seq)
-                continue
-            if not out.more and not verifies:  # one token: the common case, inline
+            elif not out.more and not verifies:  # one token: the common case, inline
                 token = out.token_id
                 seq.token_ids.append(token)
                 seq.num_new = 1
                 if seq.params.logprobs is not None:
                     seq.logprobs.append((out.logprob, out.top_logprobs))
-                if token in seq.stop_ids:
-                    self.finish(seq, "stop")
-                elif len(seq.token_ids) >= seq.token_limit:  # max_tokens, or max_model_len
-                    self.finish(seq, "length")
-                updated.append(seq)
-                continue
-            verify = verifies.get(seq.seq_id)
-            seq.num_new = 0
-            for token, lp, top in ((out.token_id, out.logprob, out.top_logprobs), *out.more):
-                seq.token_ids.append(token)
-                seq.num_new += 1
-                if seq.params.logprobs is not None:
-                    seq.logprobs.append((lp, top))
-                reason = self._stop_reason(seq, token)
-                if reason is not None:  # (a verify's tokens after it are dropped)
+                if (reason := stopping.after_token(seq, token)) is not None:
                     self.finish(seq, reason)
-                    break
-            if verify is not None and not seq.is_finished:
-                # its KV is valid through the last position whose draw agreed; a draft
-                # model's through the last draft it was fed that was accepted
-                self.spec.record(seq, verify.num_drafts, len(out.more))
-                seq.draft_len = verify.start_pos + 1 + min(len(out.more), verify.num_drafts - 1)
-                seq.num_computed_tokens += 1 + len(out.more)
-                self.kv.commit(seq)
-                self.kv.drop_behind_window(seq)
-            elif verify is not None:  # accepted: the drafts it emitted before it stopped
-                self.spec.record(seq, verify.num_drafts, min(len(out.more), seq.num_new))
+            else:
+                self._apply_draws(seq, out, verifies.get(seq.seq_id))
             updated.append(seq)
         return updated
 
-    @staticmethod
-    def _stop_reason(seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_ids:
-            return "stop"
-        if len(seq.token_ids) >= seq.token_limit:  # max_tokens out, or max_model_len
-            return "length"
-        return None
+    def _apply_draws(self, seq: Sequence, out: SeqOutput, verify: ScheduledSeq | None) -> None:
+        """A step's several tokens for one sequence (a verify's draws), up to a stop; its KV
+        is then valid through the last position whose draw agreed (a draft model's through
+        the last draft it was fed that was accepted)."""
+        seq.num_new = 0
+        for token, lp, top in ((out.token_id, out.logprob, out.top_logprobs), *out.more):
+            seq.token_ids.append(token)
+            seq.num_new += 1
+            if seq.params.logprobs is not None:
+                seq.logprobs.append((lp, top))
+            reason = stopping.after_token(seq, token)
+            if reason is not None:  # (a verify's tokens after it are dropped)
+                self.finish(seq, reason)
+                break
+        if verify is not None and not seq.is_finished:
+            self.spec.record(seq, verify.num_drafts, len(out.more))
+            seq.draft_len = verify.start_pos + 1 + min(len(out.more), verify.num_drafts - 1)
+            seq.num_computed_tokens += 1 + len(out.more)
+            self.kv.commit(seq)
+            self.kv.drop_behind_window(seq)
+        elif verify is not None:  # accepted: the drafts it emitted before it stopped
+            self.spec.record(seq, verify.num_drafts, min(len(out.more), seq.num_new))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.block_pool import block_hash
 from tinyserve.core.spec_state import Acceptance, NgramIndex
-from tinyserve.messages import SamplingParams
+from tinyserve.messages import SamplingParams, TokenInfo
 
 
 class SeqStatus(enum.Enum):
@@ -113,6 +113,15 @@ class Sequence:
             assert len(chunk) == block_size, "only full blocks are hashed"
             hashes.append(block_hash(hashes[-1] if hashes else None, chunk, self.cache_salt))
         return hashes[:num_blocks]
+
+    def prompt_logprobs(self) -> tuple[tuple[TokenInfo | None, ...], tuple[int, ...]]:
+        """vLLM's prompt_logprobs, the one place they are assembled: None for the first prompt
+        token (nothing precedes it), then each one's logprob with the top N at its position;
+        and each one's rank. O(prompt): asked for once per request."""
+        prompt = self.prompt_token_ids
+        infos = (None,) + tuple(TokenInfo(prompt[i + 1], lp, top)
+                                for i, (lp, _, top) in enumerate(self.prompt_lps))
+        return infos, tuple(rank for _, rank, _ in self.prompt_lps)
 
 
 def mix_seed(seed: int, step: int) -> int:

@@ -10,23 +10,14 @@ from typing import Any
 
 import msgspec
 
-from tinyserve.api.anthropic_types import (
+from tinyserve.api.anthropic.types import (
     CountTokensRequest,
     MessageResponse,
     MessagesRequest,
     TokenCount,
 )
 from tinyserve.api.errors import AnthropicError, ErrorResponse
-from tinyserve.api.request_types import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    LoadLoraRequest,
-    RouteUpdate,
-    TokenizeRequest,
-    UnloadLoraRequest,
-)
-from tinyserve.api.response_types import (
+from tinyserve.api.openai.bodies import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
@@ -35,7 +26,15 @@ from tinyserve.api.response_types import (
     ModelList,
     TokenizeResponse,
 )
-from tinyserve.api.responses_request import ResponsesRequest
+from tinyserve.api.openai.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tinyserve.api.ops.loras import LoadLoraRequest, UnloadLoraRequest
+from tinyserve.api.ops.routes import RouteUpdate
+from tinyserve.api.responses.request import ResponsesRequest
 
 _TYPES = (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, CompletionRequest,
           CompletionResponse, ModelList, ModelCard, ErrorResponse, RouteUpdate, TokenizeRequest,

@@ -1,4 +1,4 @@
-"""The bodies the API answers with (msgspec Structs): completions, chat completions and their
+"""OpenAI's and vLLM's answers (msgspec Structs): completions, chat completions and their
 stream chunks, logprobs, tool calls, usage, model cards, tokenize results."""
 
 from __future__ import annotations
@@ -132,6 +132,8 @@ class ChatCompletionChunk(_Choices):
     choices: list[ChatChunkChoice]
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     prompt_token_ids: TokenIds = msgspec.UNSET
+    # only in the stream a whole answer is folded from (a stream with prompt_logprobs is a 400)
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class PromptLogprob(msgspec.Struct):

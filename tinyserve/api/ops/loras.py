@@ -12,17 +12,33 @@ import asyncio
 import logging
 import time
 
+import msgspec
 from aiohttp import web
 
 from tinyserve.api.auth import authenticate_admin
 from tinyserve.api.context import ApiContext, Serving, read_body
+from tinyserve.api.decode import decode_request
 from tinyserve.api.errors import ApiError
-from tinyserve.api.fields import decode_request
-from tinyserve.api.request_types import LoadLoraRequest, UnloadLoraRequest
 
 log = logging.getLogger(__name__)
 
 UNLOAD_WAIT_S = 30.0  # an unload waits this long for the requests still using the adapter
+
+
+class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``POST /v1/load_lora_adapter``: serve a PEFT directory as a model name."""
+
+    lora_name: str
+    lora_path: str
+    base_model_name: str | None = None  # several served models: which one it adapts
+    load_inplace: bool = False  # vLLM's; replacing a loaded adapter's weights is refused
+
+
+class UnloadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; unused
 
 
 class LoraAdminRoutes:

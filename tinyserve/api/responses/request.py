@@ -1,5 +1,5 @@
 """The Responses API's request: its body (``ResponsesRequest``), the fields refused by name,
-and the chat request it means (``to_chat``; ``responses.py`` has the mapping's table)."""
+and the chat request it means (``to_chat``; ``routes.py`` has the mapping's table)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 
 import msgspec
 
+from tinyserve.api.content import join_text, shown
+from tinyserve.api.decode import decode_request
 from tinyserve.api.errors import ApiError
-from tinyserve.api.fields import decode_request
-from tinyserve.api.request_types import ChatCompletionRequest, ChatMessage
+from tinyserve.api.openai.requests import ChatCompletionRequest, ChatMessage
 
 MAX_METADATA = 16  # OpenAI's bounds on metadata: pairs, key and value lengths
 MAX_KEY, MAX_VALUE = 64, 512
@@ -83,7 +84,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or "
-                               f"developer, got {_shown(role)}", param="input")
+                               f"developer, got {shown(role)}", param="input")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text(item.get("content"), where)})
         elif kind == "function_call":
@@ -111,7 +112,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # a reasoning model's summary from elsewhere: nothing for this template
         else:
-            raise ApiError(400, f"{where}: input items of type {_shown(kind)} are not "
+            raise ApiError(400, f"{where}: input items of type {shown(kind)} are not "
                            "supported (message, function_call, function_call_output)",
                            param="input", code="unsupported_parameter")
     return out
@@ -124,22 +125,20 @@ def _text(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.content must be a string or a list of parts",
                        param="input")
-    parts = []
-    for p in content:
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind not in ("input_text", "output_text", "text", "refusal"):
-            raise ApiError(400, f"{where}: content parts of type {_shown(kind)} are not "
-                           "supported (text only)", param="input", code="unsupported_parameter")
-        text = p.get("refusal" if kind == "refusal" else "text")
-        if not isinstance(text, str):
-            raise ApiError(400, f"{where}: a {kind} part needs a string", param="input")
-        parts.append(text)
-    return "".join(parts)
+    return join_text(content, _TEXT_PARTS, f"{where}.content", _part_type, _part_text,
+                     param="input")
 
 
-def _shown(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 40 else s[:37] + "..."
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+def _part_type(p: Any) -> Any:
+    return p.get("type") if isinstance(p, dict) else None
+
+
+def _part_text(p: dict[str, Any]) -> Any:
+    text = p.get("refusal" if p["type"] == "refusal" else "text")
+    return 0 if text is None else text  # (absent or null: not a string, a 400)
 
 
 def to_chat(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -162,7 +161,7 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     out = []
     for i, t in enumerate(tools):
         if t.get("type") != "function":
-            raise ApiError(400, f"tools[{i}]: tools of type {_shown(t.get('type'))} are not "
+            raise ApiError(400, f"tools[{i}]: tools of type {shown(t.get('type'))} are not "
                            "supported (function tools only: built-in tools run on OpenAI's "
                            "side)", param="tools", code="unsupported_parameter")
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}

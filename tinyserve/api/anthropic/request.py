@@ -27,64 +27,44 @@ SDKs send only what they define.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from tinyserve.api.anthropic_types import (
+from tinyserve.api.anthropic.types import (
     CountTokensRequest,
     InputMessage,
     MessagesBlock,
     MessagesRequest,
     MessagesTool,
 )
+from tinyserve.api.content import join_text
+from tinyserve.api.decode import Neutral, anything, decode_request, empty_list, equals, none
 from tinyserve.api.errors import ApiError
-from tinyserve.api.fields import decode_request
-from tinyserve.api.request_types import ChatCompletionRequest, ChatMessage, ContentPart
-from tinyserve.api.tools import MAX_TOOLS
+from tinyserve.api.openai.requests import ChatCompletionRequest, ChatMessage, ContentPart
+from tinyserve.api.tools.plan import MAX_TOOLS
 from tinyserve.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")  # Anthropic's rule for tool names
 _DROPPED = ("thinking", "redacted_thinking")  # assistant blocks left out of the prompt
 
 
-def _none(v: Any) -> bool:
-    return v is None
-
-
 # Defined by Anthropic, beyond the structs: accepted only when the value asks for nothing
 # this server does not do (True: the value cannot change the answer).
-UNHONOURED: dict[str, Callable[[Any], bool]] = {
-    "container": _none, "context_management": _none,
-    "mcp_servers": lambda v: v is None or v == [],
-    "speed": lambda v: v in (None, "standard"),
-    "service_tier": lambda v: True, "inference_geo": lambda v: True,
-    "cache_control": lambda v: True,  # the prefix cache is automatic: nothing to mark
-    "diagnostics": lambda v: True, "user_profile_id": lambda v: True,
-    "workspace_id": lambda v: True,
+UNHONOURED: dict[str, Neutral] = {
+    "container": none, "context_management": none, "mcp_servers": empty_list,
+    "speed": equals("standard"), "service_tier": anything, "inference_geo": anything,
+    "cache_control": anything,  # the prefix cache is automatic: nothing to mark
+    "diagnostics": anything, "user_profile_id": anything, "workspace_id": anything,
 }
 
 # -- decoding ---------------------------------------------------------------------------------
 
 
 def decode(body: bytes, kind: type[CountTokensRequest]) -> Any:
-    """JSON body -> the request struct; a 400 naming the field at fault."""
-    req = decode_request(body, kind)
-    raw = msgspec.json.decode(body, type=dict[str, msgspec.Raw])  # (it decoded as an object)
-    for name in raw.keys() - kind.__struct_fields__:
-        neutral = UNHONOURED.get(name)
-        if neutral is not None and not neutral(_value(raw[name])):
-            raise ApiError(400, f"{name}: not supported by this server (only a value that asks "
-                           "for nothing is accepted)", param=name, code="unsupported_parameter")
-    return req
-
-
-def _value(raw: msgspec.Raw) -> Any:
-    try:
-        return msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
-        return raw  # (not a neutral value)
+    """JSON body -> the request struct; a 400 naming the field at fault (fields nobody
+    defines are ignored, as Anthropic's SDKs send only what they define)."""
+    return decode_request(body, kind, UNHONOURED, log_unknown=False)
 
 
 # -- Messages -> chat -------------------------------------------------------------------------
@@ -102,7 +82,7 @@ def chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, bool]:
     if req.thinking is not None and req.thinking.get("type") != "disabled":
         raise ApiError(400, "thinking: not supported by this server (only {\"type\": "
                        "\"disabled\"})", param="thinking", code="unsupported_parameter")
-    messages = [ChatMessage("system", _text_parts(req.system, "system"))] if req.system else []
+    messages = [ChatMessage("system", _text(req.system, "system"))] if req.system else []
     for i, m in enumerate(req.messages):
         messages += _turn(m, f"messages[{i}]")
     tools = _tools(req.tools)
@@ -181,19 +161,15 @@ def _result_text(content: Any, where: str) -> str:
         blocks = msgspec.convert(content, type=list[MessagesBlock])
     except msgspec.ValidationError as e:
         raise ApiError(400, f"{where}: {e}", param="messages") from None
-    return "".join(p.text for p in _text_parts(blocks, where))
+    return _text(blocks, where)
 
 
-def _text_parts(content: str | list[MessagesBlock], where: str) -> str | list[ContentPart]:
-    """Text, or text blocks (joined as chat joins text parts); any other block is a 400."""
+def _text(content: str | list[MessagesBlock], where: str) -> str:
+    """Text, or text blocks joined; any other block is a 400."""
     if isinstance(content, str):
         return content
-    parts = []
-    for j, b in enumerate(content):
-        if b.type != "text":
-            raise _unsupported_block(b, f"{where}[{j}]", "text")
-        parts.append(ContentPart("text", _str(b.text, f"{where}[{j}].text")))
-    return parts
+    return join_text(content, ("text",), where, lambda b: b.type,
+                     lambda b: 0 if b.text is None else b.text)
 
 
 def _str(v: Any, where: str) -> str:

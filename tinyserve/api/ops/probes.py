@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tinyserve.api.context import ApiContext
-from tinyserve.api.info import json_response
+from tinyserve.api.context import ApiContext, json_response
 
 
 class Probes:

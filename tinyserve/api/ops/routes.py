@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 from aiohttp import web
 
 from tinyserve.api.auth import authenticate_admin
-from tinyserve.api.context import ApiContext, Serving, read_body
+from tinyserve.api.context import ApiContext, Serving, json_response, read_body
+from tinyserve.api.decode import decode_request
 from tinyserve.api.errors import ApiError
-from tinyserve.api.fields import decode_request
-from tinyserve.api.info import json_response
-from tinyserve.api.request_types import RouteUpdate
 from tinyserve.core.routing import describe
 
 log = logging.getLogger(__name__)
+
+
+class RouteUpdate(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /admin/routes``: new weights for one --route alias, e.g.
+    ``{"alias": "chat", "weights": {"a": 80, "b": 20}}``."""
+
+    alias: str
+    weights: dict[str, float]
 
 
 class AdminRoutes:

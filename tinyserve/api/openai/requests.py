@@ -1,8 +1,9 @@
-"""The request bodies the API decodes (msgspec Structs), straight from JSON.
+"""OpenAI's and vLLM's request bodies (msgspec Structs), straight from JSON: completions, chat
+completions (which the Responses and Messages APIs translate to), tokenize and detokenize.
 
 Unknown fields are ignored here (clients send many we do not use); ``fields.py`` decides which
 of them a request may carry. Value ranges are checked where the values become engine fields
-(``sampling.py``, ``messages.SamplingParams``), vocabulary checks in the engine core.
+(``api/sampling.py``, ``SamplingParams``), vocabulary checks in the engine core.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from tinyserve.api.errors import ApiError
+from tinyserve.api.content import join_text
 
 
 class StreamOptions(msgspec.Struct):
@@ -31,17 +32,12 @@ class ChatMessage(msgspec.Struct):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: which call it answers
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
         """The content as one string (text parts joined; other parts are a 400)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for p in self.content:
-            if p.type != "text":
-                raise ApiError(400, f"content part type {p.type!r} is not supported (text "
-                               "only)", param="messages")
-            parts.append(p.text or "")
-        return "".join(parts)
+        return join_text(self.content, ("text",), f"{where}.content", lambda p: p.type,
+                         lambda p: p.text)
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -117,27 +113,3 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[int]
-
-
-class RouteUpdate(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /admin/routes``: new weights for one --route alias, e.g.
-    ``{"alias": "chat", "weights": {"a": 80, "b": 20}}``."""
-
-    alias: str
-    weights: dict[str, float]
-
-
-class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """vLLM's ``POST /v1/load_lora_adapter``: serve a PEFT directory as a model name."""
-
-    lora_name: str
-    lora_path: str
-    base_model_name: str | None = None  # several served models: which one it adapts
-    load_inplace: bool = False  # vLLM's; replacing a loaded adapter's weights is refused
-
-
-class UnloadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """vLLM's ``POST /v1/unload_lora_adapter``."""
-
-    lora_name: str
-    lora_int_id: int | None = None  # vLLM's; unused
