@@ -1,4 +1,4 @@
-"""How close each model family's configs in tests/test_families.py come to transformers.
+"""How close each model family's configs in tests/engine/test_families.py come to transformers.
 
     python loadtest/bench_families.py          # from the repository root; about 2 minutes
 
@@ -26,8 +26,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/ is not a pac
 def main() -> None:
     import torch
 
-    import tests.test_families as fam
-    from tests.test_model_vs_transformers import rel_l2, run_chunk
+    import tests.engine.test_families as fam
+    from tests.engine.test_model_vs_transformers import rel_l2, run_chunk
     from tinyserve.llm import LLM
     from tinyserve.messages import SamplingParams
 

@@ -7,7 +7,7 @@ A random-weight Llama (hidden 256, 4 layers, FFN 512: every row whole 256-blocks
 each type by tests/gguf_writer.py (gguf-py's quantizers; Q4_K and Q6_K by its packers; Q5_K as
 random blocks), then scored teacher-forced over a text its fp32 model sampled: top-token
 agreement and max |delta logprob| between the two loads of the file, over the full vocabulary.
-A benchmark: it prints, it asserts nothing (tests/test_gguf_models.py holds the bounds).
+A benchmark: it prints, it asserts nothing (tests/engine/test_gguf_models.py holds the bounds).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from tests import gguf_writer
-    from tests.test_families import build, prompt
-    from tests.test_model_vs_transformers import run_chunk
+    from tests.engine.test_families import build, prompt
+    from tests.engine.test_model_vs_transformers import run_chunk
     from tinyserve.llm import LLM
     from tinyserve.messages import SamplingParams
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     Q = gguf_writer.Q
-    from tests import test_families as fam
+    from tests.engine import test_families as fam
 
     fam.CONFIGS["bench"] = ("LlamaForCausalLM", dict(
         hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,

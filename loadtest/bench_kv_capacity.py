@@ -11,7 +11,7 @@ head_dim 128 (Llama-3's), where an int8 token costs 130 bytes per head against f
 stories260k's head_dim 8 pays more for its scales (10 against 16).
 
 Prints one JSON object per KV dtype and the ratio. A benchmark: it reports, it asserts
-nothing (tests/test_kv_int8_engine.py holds the >= 1.9x as a behaviour at a smaller size).
+nothing (tests/engine/test_kv_int8_engine.py holds the >= 1.9x as a behaviour at a smaller size).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """SmolLM2-135M-Instruct (GGUF, Q4_1) end to end against transformers' GGUF load of the same file,
-with what a user sees: everything tests/test_smollm2.py checks, at full length.
+with what a user sees: everything tests/engine/test_smollm2.py checks, at full length.
 
     python loadtest/check_smollm2.py [--markdown]     # about 25 minutes on the 2-core CPU
     python loadtest/check_smollm2.py --skip-reference # 5 and 6 only (no transformers load)
 
 1. load time (tinyserve, kept and dequantized; transformers);
-2. the tokenizer: ids and decoded text on 500 varied strings (tests/test_gguf_tokenizers.py's);
+2. the tokenizer: ids and decoded text on 500 varied strings (tests/text/test_gguf_tokenizers.py's);
 3. full-vocabulary logprobs over a 200-token teacher-forced text, kept and dequantized:
    max |delta logprob| and top-token agreement with transformers;
 4. greedy 48 tokens on 4 chat prompts (the file's ChatML template), dequantized and kept, each
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from tests.test_gguf_tokenizers import strings
-    from tests.test_model_vs_transformers import run_chunk
+    from tests.text.test_gguf_tokenizers import strings
+    from tests.engine.test_model_vs_transformers import run_chunk
     from tinyserve.llm import LLM
     from tinyserve.messages import SamplingParams
     from tinyserve.models.smollm2 import ensure_smollm2

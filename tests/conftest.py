@@ -58,9 +58,6 @@ def tmp_models(tmp_path_factory) -> Path:
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
-# The fleet tests (Ray Serve, minutes) run as their own step of .ci/run.
-collect_ignore = [] if os.environ.get("TINYSERVE_FLEET_TESTS") else ["fleet"]
-
 
 @pytest.fixture(scope="session")
 def smollm2_file() -> Path:

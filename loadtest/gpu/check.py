@@ -27,7 +27,7 @@ inside the 540 s the device command is given (``DEVICE["total_s"]`` in checklib.
 
 ``--dry-run`` runs every piece at toy shapes on the CPU (Triton's interpreter) through the
 same code; what needs a GPU (CUDA graphs, bf16 math, bandwidth) runs its CPU equivalent or is
-reported as skipped with the reason. tests/test_gpu_check_dry_run.py runs it in CI.
+reported as skipped with the reason. tests/loadtest/test_gpu_check_dry_run.py runs it in CI.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The device (kind ``nvidia-h200``) has no network: tinyserve's runtime dependenci
 manylinux x86_64 (prepare.sh downloads them here, check.py installs them there with
 ``--no-index``). ``ON_DEVICE`` is the image's package list as the device tool's KINDS.md gives
 it (read 2026-11-17); a dependency added to pyproject.toml that is neither there nor in
-``WHEELS`` fails ``--check`` (and prepare.sh, and tests/test_gpu_check_dry_run.py).
+``WHEELS`` fails ``--check`` (and prepare.sh, and tests/loadtest/test_gpu_check_dry_run.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,22 @@
 """Autoscaling: a sustained queue takes the fleet from 1 replica to 2, and back to 1 when
 the load stops, with every request answered (short delays so it fits in a test)."""
 
+# ruff: noqa: E402 (imports below the skip: without the ray extra, collecting is skipping)
+import pytest
+
+pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+pytestmark = pytest.mark.ray  # a step of its own in .ci/run
+
 import asyncio
 import time
 
 import aiohttp
 
-from tests.fleet.conftest import await_for, deploy, running_replicas
+from tests.fleet.cluster import (
+    await_for,
+    deploy,
+    running_replicas,
+)
 from tests.fleet.sse import stream_completion
 from tinyserve.fleet.app import FleetConfig
 

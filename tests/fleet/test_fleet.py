@@ -7,6 +7,12 @@
   brings the fleet back to 2 healthy replicas.
 """
 
+# ruff: noqa: E402 (imports below the skip: without the ray extra, collecting is skipping)
+import pytest
+
+pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+pytestmark = pytest.mark.ray  # a step of its own in .ci/run
+
 import asyncio
 import signal
 import time
@@ -14,9 +20,14 @@ from collections import defaultdict
 
 import aiohttp
 import psutil
-import pytest
 
-from tests.fleet.conftest import deploy, replica_pids, running_replicas, serve_events, wait_for
+from tests.fleet.cluster import (
+    deploy,
+    replica_pids,
+    running_replicas,
+    serve_events,
+    wait_for,
+)
 from tests.fleet.sse import Answer, stream_completion
 from tinyserve.fleet.app import FleetConfig
 from tinyserve.fleet.replica import ServerProcess

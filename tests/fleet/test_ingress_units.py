@@ -1,5 +1,11 @@
 """The ingress's stream tail and error reporting, without a cluster."""
 
+# ruff: noqa: E402 (imports below the skip: without the ray extra, collecting is skipping)
+import pytest
+
+pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+pytestmark = pytest.mark.ray  # a step of its own in .ci/run
+
 import asyncio
 import json
 

@@ -1,6 +1,12 @@
 """The two ways to start a fleet: ``python -m tinyserve.fleet`` end to end, and the Serve
 config file (validated against Serve's own schema and built)."""
 
+# ruff: noqa: E402 (imports below the skip: without the ray extra, collecting is skipping)
+import pytest
+
+pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]'")
+pytestmark = pytest.mark.ray  # a step of its own in .ci/run
+
 import json
 import os
 import signal

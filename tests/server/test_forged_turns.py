@@ -140,7 +140,7 @@ def test_a_metaspace_vocabulary_splits_as_the_whole_prompt_would(tmp_path, templ
     # SentencePiece as llama.cpp stores it (Metaspace, "▁" prepended to the input's start
     # only): a plain piece after the template's BOS gets no "▁" of its own, one at the very
     # start does, exactly as tokenizing the rendered prompt whole
-    from tests.test_gguf_tokenizers import _sentencepiece_file
+    from tests.text.test_gguf_tokenizers import _sentencepiece_file
     tok = Tokenizer(_sentencepiece_file(tmp_path / "sp.gguf", "llama"))
     tok.chat_template = template
     for content in ("def f(x): return x", "a </s> b <s> c"):

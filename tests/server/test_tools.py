@@ -87,7 +87,7 @@ def test_auto_parses_the_models_own_calls(server):
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     assert json.loads(call.function.arguments)["zone"] in ("utc", "cet")
-    # (streamed auto parsing: tests/test_tool_parsers.py, every chunking, openai's accumulator)
+    # (streamed auto parsing: tests/api/test_tool_parsers.py, every chunking, openai's accumulator)
 
 
 @pytest.mark.parametrize("body, param", [

@@ -349,7 +349,7 @@ def observe_many(hist, values: tuple[float, ...]) -> None:
     gaps (one per token) cost one increment per bucket they land in, not a bucket walk and
     three locked increments per token. Through prometheus_client's Histogram internals
     (``_upper_bounds``, ``_buckets``, ``_sum``: per-bucket counts, made cumulative on
-    collection); tests/test_vllm_metrics.py checks it against ``observe``."""
+    collection); tests/actors/test_vllm_metrics.py checks it against ``observe``."""
     bounds = hist._upper_bounds
     counts = [0] * len(bounds)
     last = len(bounds)

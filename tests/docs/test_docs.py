@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_operations_doc import (
+from tests.docs.test_operations_doc import (
     FLAG,
     LINK,
     METRIC,
@@ -20,7 +20,7 @@ from tests.test_operations_doc import (
     unknown_metrics,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
          *sorted((ROOT / "deploy").rglob("README.md"))]
 

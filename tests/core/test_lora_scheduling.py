@@ -4,7 +4,7 @@ recently used first, a sequence whose adapter finds no slot waits while others r
 given back on finish and preemption; and prefix-cache blocks never shared across adapters or
 with the base."""
 
-from tests.test_scheduler import create_requests, make_scheduler, run
+from tests.core.test_scheduler import create_requests, make_scheduler, run
 from tinyserve.core.adapters import AdapterSpec
 from tinyserve.core.lora_slots import LoraSlots
 from tinyserve.core.scheduler import Scheduler, SchedulerConfig

@@ -1,4 +1,4 @@
-"""The families of tests/test_families.py served: through the HTTP server, with int8 / int4
+"""The families of tests/engine/test_families.py served: through the HTTP server, with int8 / int4
 weights and the int8 KV cache, and with a window on every layer over a long sequence (split
 from that file so the two run on different workers)."""
 
@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_families import (  # noqa: E402
+from tests.engine.test_families import (  # noqa: E402
     BLOCK,
     CONFIGS,
     REPREFILLS,
@@ -16,7 +16,7 @@ from tests.test_families import (  # noqa: E402
     hf_greedy,
     prompt,
 )
-from tests.test_model_vs_transformers import run_chunk  # noqa: E402
+from tests.engine.test_model_vs_transformers import run_chunk  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402
 from tinyserve.messages import SamplingParams  # noqa: E402
 

@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
 
-from tests import test_families as fam  # noqa: E402
+from tests.engine import test_families as fam  # noqa: E402
+from tests.engine.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
 from tests.gguf_writer import Q, write_model  # noqa: E402
-from tests.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
 from tinyserve.engine.loading.model_config import load_model_config  # noqa: E402
 from tinyserve.engine.model.weights import Int4Linear, Int8GroupLinear, Linear  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402

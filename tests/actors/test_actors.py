@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_scheduler import FakeExecutor
+from tests.core.test_scheduler import FakeExecutor
 from tinyserve.actors.admission import Admission
 from tinyserve.actors.batcher import Batcher
 from tinyserve.actors.executor import Executor

@@ -5,7 +5,7 @@ tokens, and the prefix hashes equal those of the same tokens decoded one at a ti
 
 import pytest
 
-from tests.test_scheduler import (
+from tests.core.test_scheduler import (
     EOS,
     VOCAB,
     FakeExecutor,

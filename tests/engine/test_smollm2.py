@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
-from tests.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
+from tests.engine.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402
 
 TEXT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "loadtest" / "gpu"
 PIECES = ["install", "kernel_tests", "stories260k", "graphs_vs_eager", "decode_8b",
           "transformers_peer", "server_e2e"]

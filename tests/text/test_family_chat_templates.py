@@ -13,13 +13,13 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import STORIES_DIR
-from tests.test_chat_templates import CHATS as LLAMA_CHATS
-from tests.test_chat_templates import TOOLS
+from tests.text.test_chat_templates import CHATS as LLAMA_CHATS
+from tests.text.test_chat_templates import TOOLS
 from tinyserve.api.errors import ApiError
 from tinyserve.api.tools.parsers import ToolStreamParser, parse_tool_calls
 from tinyserve.text.tokenizer import Tokenizer
 
-TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
 
 CHATS = {

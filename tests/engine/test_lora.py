@@ -83,7 +83,7 @@ def test_adapters_in_one_mixed_batch_equal_peft(family):
 
 
 def test_int8_base_weights_with_adapters_equal_peft_on_the_dequantized_base(family):
-    from tests.test_families_serving import dequantized
+    from tests.server.test_families_serving import dequantized
 
     name, paths = family
     llm = LLM(str(paths["base"]), dtype="float32", quantization="int8", max_loras=3,

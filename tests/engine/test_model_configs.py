@@ -11,8 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_families import build, prompt  # noqa: E402
-from tests.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
+from tests.engine.test_families import build, prompt  # noqa: E402
+from tests.engine.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
@@ -85,7 +85,7 @@ def _reference(path, ids, name):
 
 @pytest.mark.parametrize("name,arch,kw,edit", CASES, ids=[c[0] for c in CASES])
 def test_config_variants_compute_what_transformers_computes(tmp_path, name, arch, kw, edit):
-    from tests import test_families
+    from tests.engine import test_families
 
     test_families.CONFIGS["_variant"] = (arch, kw)
     try:

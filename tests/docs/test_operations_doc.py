@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "operations.md"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 

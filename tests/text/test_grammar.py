@@ -20,7 +20,7 @@ import pytest
 from tinyserve.text.grammar import KINDS, GrammarCompiler, GrammarSpec, Matcher, bitmask_words
 from tinyserve.text.tokenizer import Tokenizer
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "tinyserve" / "models" / "stories260k"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "tinyserve" / "models" / "stories260k"
 VOCAB = 520
 EOS = 2
 

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from tests.test_model_vs_transformers import hf_logits, rel_l2, run_chunk  # noqa: E402
+from tests.engine.test_model_vs_transformers import hf_logits, rel_l2, run_chunk  # noqa: E402
 from tinyserve.config import EngineConfig  # noqa: E402
 from tinyserve.engine.device_engine import DeviceEngine  # noqa: E402
 from tinyserve.engine.loading.checkpoint import checkpoint_quantization, load_weights  # noqa: E402

@@ -12,7 +12,7 @@ scaling). Per config, in fp32:
   prefill, a prefix-cache hit and a preemption in the same run; the chosen tokens' logprobs
   and the top 5 equal to transformers' log-softmax over the whole vocabulary;
 - the same through the HTTP server, quantized, and windowed over a long sequence:
-  tests/test_families_serving.py.
+  tests/server/test_families_serving.py.
 
 dynamic and longrope ropes depend on the sequence length in transformers (rope.py): their
 full-sequence logits are compared within the original length, and generation (one token a
@@ -26,7 +26,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
+from tests.engine.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
 from tinyserve.engine.loading.demo import write_tokenizer  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402
 from tinyserve.messages import SamplingParams  # noqa: E402

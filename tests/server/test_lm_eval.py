@@ -29,7 +29,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from tests.server.inprocess import InProcessServer  # noqa: E402
 
-TASK_DIR = Path(__file__).parent / "data" / "lm_eval"
+TASK_DIR = Path(__file__).parents[1] / "data" / "lm_eval"
 TASK = "tinystories_cloze"
 MODEL = "stories260k"  # the name InProcessServer serves the engine under
 TOL = 1e-4

@@ -23,7 +23,7 @@ from tinyserve.actors.metrics import Metrics
 from tinyserve.cli.flags import build_parser
 from tinyserve.cli.tenants import load_tenants
 
-K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes these manifests target (preStop sleep: >= 1.30)
 FILES = sorted(K8S_DIR.rglob("*.yaml")) + sorted(K8S_DIR.rglob("*.yml"))
 

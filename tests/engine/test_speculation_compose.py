@@ -5,7 +5,7 @@ chi-square test that fails when the rejection step is broken on purpose)."""
 
 import pytest
 
-from tests.test_speculation import PROMPTS, STORY, draft, ngram, tokens
+from tests.engine.test_speculation import PROMPTS, STORY, draft, ngram, tokens
 from tinyserve import LLM, LoRARequest, SamplingParams
 from tinyserve.config import SpeculativeConfig
 

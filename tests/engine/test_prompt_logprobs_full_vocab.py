@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tests.test_no_torch_compute import ALLOWED, RecordOps
+from tests.engine.test_no_torch_compute import ALLOWED, RecordOps
 from tinyserve.config import EngineConfig
 from tinyserve.core.engine_core import CoreConfig, EngineCore
 from tinyserve.engine.device_engine import DeviceEngine

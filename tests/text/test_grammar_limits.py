@@ -15,7 +15,7 @@ from tinyserve.messages import FieldError, GrammarSpec, SamplingParams, Schedule
 from tinyserve.text.grammar import MAX_CHOICES, GrammarCompiler, bitmask_words
 from tinyserve.text.tokenizer import Tokenizer
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "tinyserve" / "models" / "stories260k"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "tinyserve" / "models" / "stories260k"
 VOCAB = 512
 EOS = 2
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-RULES_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
+RULES_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULE_FILES = ("alerts.yml", "recording.yml")
 TEST_FILE = "alerts_test.yml"
 SEVERITIES = {"page", "ticket"}

@@ -102,7 +102,7 @@ def test_int4_agrees_with_float32_under_teacher_forcing(stories_dir, reference, 
 
 
 def _argmax_every_position(llm, ids):
-    from tests.test_model_vs_transformers import run_step  # noqa: F401 (shared helper)
+    from tests.engine.test_model_vs_transformers import run_step  # noqa: F401 (shared helper)
     from tinyserve.messages import ScheduledSeq
 
     blocks = tuple(range(math.ceil(len(ids) / llm.info.block_size)))

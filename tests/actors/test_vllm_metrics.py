@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_actors import Graph
+from tests.actors.test_actors import Graph
 from tinyserve.actors.lanes import RequestHandle
 from tinyserve.actors.metrics import Metrics
 from tinyserve.cli.flags import build_parser
