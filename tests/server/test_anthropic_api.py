@@ -440,7 +440,9 @@ def test_fuzz_both_endpoints_never_5xx_and_leave_nothing_running(srv):
                     "x-api-key": KEY, "Content-Type": "application/json"}) as r:
                 return r.status, r.headers.get("Content-Type", ""), await r.read()
 
-    @settings(max_examples=600, deadline=None, derandomize=True, database=None,
+    # (over HTTP: the answers and the server unharmed; bodies alone, 1,500 of them, are fuzzed
+    # in-process by tests/api/test_translation_fuzz.py)
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(valid=st.booleans(), data=st.data(), count=st.booleans(), garble=st.integers(0, 9))
     def one(valid, data, count, garble):
@@ -458,7 +460,7 @@ def test_fuzz_both_endpoints_never_5xx_and_leave_nothing_running(srv):
 
     one()
     print(f"\nanthropic fuzz: {statuses.total()} requests, by status {dict(statuses)}")
-    assert statuses[200] >= 100 and statuses[400] >= 100 and statuses[404] >= 5, statuses
+    assert statuses[200] >= 30 and statuses[400] >= 30 and statuses[404] >= 2, statuses
     # still answering, and nothing left behind
     m = client(srv.url, KEY).messages.create(model=MODEL, max_tokens=3, messages=HI)
     assert m.usage.output_tokens == 3

@@ -268,7 +268,8 @@ _ITEMS = st.sampled_from([
     {"role": "developer", "content": "be nice"}])
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+# (over HTTP; 1,500 bodies through the translation alone: tests/api/test_translation_fuzz.py)
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(items=st.lists(_ITEMS, max_size=4), mutations=st.dictionaries(
     st.sampled_from(_FIELDS), _JSON, max_size=2), stream=st.booleans())
 def test_hostile_bodies_never_get_a_5xx(fake, items, mutations, stream):

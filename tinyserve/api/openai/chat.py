@@ -57,8 +57,10 @@ class ChatShaper(OpenAIShaper):
 
     def opening(self) -> list[msgspec.Struct]:
         """A role chunk per choice, with vLLM's prompt_token_ids and (continuous usage) the
-        prompt's usage."""
-        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=""))],
+        prompt's usage. Its content is "" unless tools may be called: then none, as OpenAI's
+        when a call comes, so an answer of calls alone folds to content null."""
+        content = "" if self.tools is None else None
+        return [self._chunk([ChatChunkChoice(i, Delta(role="assistant", content=content))],
                             self._running_usage(i), self._prompt_ids(i))
                 for i in range(self.choices)]
 
@@ -125,17 +127,18 @@ class ChatShaper(OpenAIShaper):
 
 @dataclass(slots=True)
 class _Choice:
-    """One choice as its chunks build it."""
+    """One choice as its chunks build it, as the openai client folds them: content null until
+    a chunk carries some (the role chunk's "" included)."""
 
-    content: list[str] = field(default_factory=list)
+    content: list[str] | None = None
     calls: dict[int, list] = field(default_factory=dict)  # index -> [id, name, arguments...]
     logprobs: list[TokenLogprob] | None = None
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, c: ChatChunkChoice) -> None:
-        if c.delta.content:
-            self.content.append(c.delta.content)
+        if c.delta.content is not None:
+            self.content = (self.content or []) + [c.delta.content]
         for d in c.delta.tool_calls or ():
             call = self.calls.setdefault(d.index, [d.id, d.function.name])
             call.append(d.function.arguments or "")
@@ -147,15 +150,10 @@ class _Choice:
             self.finish_reason = c.finish_reason
 
     def message(self, index: int, want_ids: bool) -> ChatChoice:
-        """Content with no calls is text ("" when nothing was said); beside calls, only what
-        was said besides them (None when nothing), as OpenAI's."""
-        content: str | None = "".join(self.content)
+        content = None if self.content is None else "".join(self.content)
         calls = [ToolCallOut(cid, FunctionCall(name, "".join(args)))
                  for cid, name, *args in (self.calls[k] for k in sorted(self.calls))]
-        if calls:
-            message = ResponseMessage("assistant", content or None, calls)
-        else:
-            message = ResponseMessage("assistant", content)
+        message = ResponseMessage("assistant", content, calls or msgspec.UNSET)
         return ChatChoice(index, message, self.finish_reason,
                           None if self.logprobs is None else ChatLogprobs(self.logprobs),
                           self.token_ids if want_ids else msgspec.UNSET)
