@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from tests.text.test_gguf_tokenizers import strings
     from tests.engine.test_model_vs_transformers import run_chunk
+    from tests.text.test_gguf_tokenizers import strings
     from tinyserve.llm import LLM
     from tinyserve.messages import SamplingParams
     from tinyserve.models.smollm2 import ensure_smollm2

@@ -1,13 +1,19 @@
 """The layering rule, read from the source (parsed, never imported):
 
-    api/ -> actors/ -> core/ -> text/        engine/ -> kernels/
+    cli/ -> server -> api/ -> actors/ -> core/ -> text/ -> formats/      engine/ -> kernels/
     (each may import what stands to its right; messages and config are shared by all)
 
-- no import circle anywhere in tinyserve/ and kernels/ (imports inside functions and under
-  TYPE_CHECKING count: a circle that only runs late is still a circle to a reader);
+- no import circle anywhere in tinyserve/ and kernels/, module by module or package by package
+  (imports inside functions and under TYPE_CHECKING count: a circle that only runs late is
+  still a circle to a reader);
 - api/, actors/, core/ and text/ never import torch, triton, engine/ or kernels/ (the control
   plane runs and is tested without them), nor a package to their left;
-- kernels/ imports nothing of tinyserve but itself.
+- kernels/ and formats/ import nothing of tinyserve but themselves; only ``__main__`` and the
+  fleet import cli/;
+- the API's fronts stand apart: openai/, responses/ and anthropic/ import nothing of one
+  another but the chat request (``api.openai.requests``) that every front translates to, and
+  the shared pipeline imports no front but that (app.py wires them; ops/openapi.py describes
+  them).
 
 Each failure names the file, the line and the import.
 """
@@ -21,11 +27,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVICE = ("torch", "triton", "tinyserve.engine", "tinyserve.kernels")
 # package -> what it may not import (beyond DEVICE for the control plane)
 LEFT_OF = {
-    "tinyserve.api": (),
-    "tinyserve.actors": ("tinyserve.api",),
-    "tinyserve.core": ("tinyserve.api", "tinyserve.actors"),
-    "tinyserve.text": ("tinyserve.api", "tinyserve.actors", "tinyserve.core"),
+    "tinyserve.api": ("tinyserve.cli", "tinyserve.server"),
+    "tinyserve.actors": ("tinyserve.api", "tinyserve.cli", "tinyserve.server"),
+    "tinyserve.core": ("tinyserve.api", "tinyserve.actors", "tinyserve.cli", "tinyserve.server"),
+    "tinyserve.text": ("tinyserve.api", "tinyserve.actors", "tinyserve.core", "tinyserve.cli",
+                       "tinyserve.server"),
 }
+LEAVES = ("tinyserve.kernels", "tinyserve.formats")  # import nothing of tinyserve but themselves
+FRONTS = ("tinyserve.api.openai", "tinyserve.api.responses", "tinyserve.api.anthropic")
+CHAT_REQUEST = "tinyserve.api.openai.requests"  # what every front translates to
+WIRING = ("tinyserve.api.app", "tinyserve.api.ops.openapi")  # may import every front
+CLI_USERS = ("tinyserve.__main__", "tinyserve.cli", "tinyserve.fleet")
+
+Graph = dict[str, list[tuple[int, str]]]
 
 
 def _module_name(path: Path) -> str:
@@ -69,7 +83,7 @@ def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def _graph() -> tuple[dict[str, Path], dict[str, list[tuple[int, str]]]]:
+def _graph() -> tuple[dict[str, Path], Graph]:
     sources = _sources()
     names = set(sources)
     return sources, {n: _imports(n, p.read_text(), p.name == "__init__.py", names)
@@ -77,50 +91,84 @@ def _graph() -> tuple[dict[str, Path], dict[str, list[tuple[int, str]]]]:
 
 
 def _where(sources: dict[str, Path], module: str, line: int) -> str:
-    return f"{sources[module].relative_to(ROOT)}:{line}"
+    path = sources.get(module)
+    return f"{path.relative_to(ROOT) if path else module}:{line}"
 
 
-def test_control_plane_never_imports_the_device_side_or_a_layer_above():
-    sources, graph = _graph()
+def layering_violations(sources: dict[str, Path], graph: Graph) -> list[str]:
+    """Every import that breaks the rule, named by file, line and import."""
     bad = []
     for module, imports in graph.items():
-        for package, left in LEFT_OF.items():
-            if not _within(module, package):
-                continue
-            for line, target in imports:
-                for banned in (*DEVICE, *left):
-                    if _within(target, banned):
-                        bad.append(f"{_where(sources, module, line)} imports {target} "
-                                   f"({package.split('.')[1]}/ must not import {banned})")
-    assert not bad, "\n".join(bad)
+        for line, target in imports:
+            for why in _broken(module, target):
+                bad.append(f"{_where(sources, module, line)} imports {target} ({why})")
+    return bad
 
 
-def test_kernels_import_nothing_of_tinyserve_but_themselves():
+def _broken(module: str, target: str) -> list[str]:
+    """Why ``module`` may not import ``target`` (nothing: it may)."""
+    why = []
+    for package, left in LEFT_OF.items():
+        if _within(module, package):
+            why += [f"{package.split('.')[1]}/ must not import {banned}"
+                    for banned in (*DEVICE, *left) if _within(target, banned)]
+    for leaf in LEAVES:
+        if (_within(module, leaf) and _within(target, "tinyserve")
+                and not _within(target, leaf)):
+            why.append(f"{leaf.split('.')[1]}/ imports nothing of tinyserve but itself")
+    if _within(target, "tinyserve.cli") and not any(_within(module, u) for u in CLI_USERS):
+        why.append("only __main__ and the fleet import the command line")
+    front = next((f for f in FRONTS if _within(target, f)), None)
+    if front is not None and not _within(target, CHAT_REQUEST) and not _within(module, front) \
+            and module not in WIRING and _within(module, "tinyserve.api"):
+        why.append(f"a front's modules are its own: only {CHAT_REQUEST} is shared")
+    return why
+
+
+def test_the_layers_import_only_what_stands_to_their_right():
     sources, graph = _graph()
-    bad = [f"{_where(sources, m, line)} imports {t}"
-           for m, imports in graph.items() if _within(m, "tinyserve.kernels")
-           for line, t in imports
-           if _within(t, "tinyserve") and not _within(t, "tinyserve.kernels")]
+    bad = layering_violations(sources, graph)
     assert not bad, "\n".join(bad)
 
 
 def test_no_import_circles():
     sources, graph = _graph()
-    edges = {m: sorted({t for _, t in imports if t in graph and t != m})
-             for m, imports in graph.items()}
+    circles = _circles({m: sorted({t for _, t in imports if t in graph and t != m})
+                        for m, imports in graph.items()})
     lines = {(m, t): line for m, imports in graph.items() for line, t in imports}
+    assert not circles, "import circles:\n" + "\n".join(
+        " -> ".join(f"{a} ({_where(sources, a, lines[a, b])})" for a, b in zip(c, c[1:]))
+        + f" -> {c[-1]}" for c in circles)
+
+
+def _unit(module: str) -> str:
+    """A module's package under tinyserve (``tinyserve.core``), or the top-level module."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_circles_between_packages():
+    """config <-> core and the like: a package that imports another which imports it back is
+    one knot, whichever modules carry the two imports."""
+    _, graph = _graph()
+    edges: dict[str, set[str]] = {}
+    for m, imports in graph.items():
+        for _, t in imports:
+            if t in graph and _unit(t) != _unit(m):
+                edges.setdefault(_unit(m), set()).add(_unit(t))
+    circles = _circles({u: sorted(ts) for u, ts in edges.items()})
+    assert not circles, "package circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def _circles(edges: dict[str, list[str]]) -> list[list[str]]:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
-    circles = []
+    found = []
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
         path.append(m)
-        for t in edges[m]:
+        for t in edges.get(m, ()):
             if state.get(t) == 1:
-                loop = path[path.index(t):] + [t]
-                circles.append(" -> ".join(
-                    f"{a} ({_where(sources, a, lines[a, b])})" for a, b in zip(loop, loop[1:]))
-                    + f" -> {t}")
+                found.append(path[path.index(t):] + [t])
             elif t not in state:
                 visit(t, path)
         path.pop()
@@ -129,7 +177,7 @@ def test_no_import_circles():
     for m in sorted(edges):
         if m not in state:
             visit(m, [])
-    assert not circles, "import circles:\n" + "\n".join(circles)
+    return found
 
 
 def test_the_rule_names_what_it_forbids():
@@ -139,3 +187,20 @@ def test_the_rule_names_what_it_forbids():
     src = "import torch\nfrom . import x\n\ndef f():\n    from tinyserve.engine import runner\n"
     got = _imports("tinyserve.api.probe", src, False, names)
     assert got == [(1, "torch"), (2, "tinyserve.api.x"), (5, "tinyserve.engine.runner")]
+
+
+def test_an_api_module_that_imports_the_engine_fails_the_rule():
+    """Shown on the real tree with one import added: api/generate.py reaching for the
+    runner, and a front reaching into another's shaper."""
+    sources, graph = _graph()
+    assert not layering_violations(sources, graph)
+    graph = {**graph,
+             "tinyserve.api.generate": [*graph["tinyserve.api.generate"],
+                                        (999, "tinyserve.engine.running.runner")],
+             "tinyserve.api.anthropic.routes": [*graph["tinyserve.api.anthropic.routes"],
+                                                (998, "tinyserve.api.openai.chat")]}
+    assert sorted(layering_violations(sources, graph)) == [
+        "tinyserve/api/anthropic/routes.py:998 imports tinyserve.api.openai.chat (a front's "
+        "modules are its own: only tinyserve.api.openai.requests is shared)",
+        "tinyserve/api/generate.py:999 imports tinyserve.engine.running.runner (api/ must not "
+        "import tinyserve.engine)"]

@@ -232,7 +232,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = False  # one JSON line per API request on stdout (access_log.py)
     metrics_namespace: str = "tinyserve"  # "vllm": series named as vLLM's, for its dashboards
-    tool_call_parser: str = "auto"  # how chat output becomes tool_calls (tool_parsers.py)
+    tool_call_parser: str = "auto"  # how chat output becomes tool_calls (api/tools/parsers.py)
     # "text": special-token text in chat message content is tokenized as text, so content cannot
     # forge a turn or an EOS (prompts.py); "parse": as transformers and vLLM do
     special_tokens_in_content: str = "text"

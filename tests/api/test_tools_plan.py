@@ -1,4 +1,5 @@
-"""tools.py without a server: tool_choice -> constraint, output -> tool_calls (each mode)."""
+"""api/tools (plan.py, output.py) without a server: tool_choice -> constraint, output ->
+tool_calls (each mode)."""
 
 import json
 

@@ -29,8 +29,8 @@ from tinyserve.actors.lanes import Lane
 from tinyserve.api.anthropic import routes as anthropic_routes
 from tinyserve.api.context import ApiContext, Serving
 from tinyserve.api.errors import ApiError
-from tinyserve.api.ops.openapi import openapi_spec
 from tinyserve.api.openai import routes as openai_routes
+from tinyserve.api.ops.openapi import openapi_spec
 from tinyserve.api.prepare import prepare
 from tinyserve.api.prompts import PromptParser
 from tinyserve.api.responses.routes import ResponsesRoutes

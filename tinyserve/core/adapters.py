@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # module name -> (projection, slice): the slices of the model's fused projections (see
-# engine/model.py): qkv = [q | k | v], gate_up = [gate | up]; None: the whole projection
+# engine/model/weights.py): qkv = [q | k | v], gate_up = [gate | up]; None: the whole projection
 MODULES: dict[str, tuple[str, int | None]] = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "qkv_proj": ("qkv", None),
     "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),

@@ -23,7 +23,7 @@ Both lists stay sorted by ``_order``: (-priority, seq_id), and seq ids grow with
 
 A sequence that fits max_model_len always fits an empty pool (the config checks
 num_blocks * block_size >= max_model_len, or with a window on every layer, that the pool
-holds a window and two steps: ``config.min_kv_blocks``), so preemption always ends
+holds a window and two steps: ``kv_manager.min_kv_blocks``), so preemption always ends
 and nothing is lost.
 """
 

@@ -18,7 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tinyserve.engine.loading.demo import default_cache_dir
+from tinyserve.models import default_cache_dir
 
 log = logging.getLogger(__name__)
 

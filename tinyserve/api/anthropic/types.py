@@ -3,9 +3,9 @@
 events of its stream.
 
 Requests decode loosely where Anthropic's block kinds differ (a block's kind-specific fields are
-``Any`` here): ``anthropic.py`` checks each block by its ``type`` and answers a 400 that names
+``Any`` here): ``request.py`` checks each block by its ``type`` and answers a 400 that names
 the block, instead of msgspec's complaint about a field of some other kind. Fields beyond the
-structs are ``anthropic.py``'s to allow or refuse (``UNHONOURED``).
+structs are ``request.py``'s to allow or refuse (``UNHONOURED``).
 
 Every answer struct is tagged with its ``type`` (Anthropic's discriminator): an event's JSON is
 ``{"type": <event name>, ...}``, the same name its SSE ``event:`` line carries.

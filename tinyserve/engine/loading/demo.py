@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from tinyserve.models import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +113,6 @@ def write_random_llama(model_dir: Path, config: dict, seed: int = 0, std: float 
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     (model_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}))
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("TINYSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tinyserve")
-    return Path(root)
 
 
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:

@@ -13,9 +13,9 @@ pass, as a row of switches. Llama is the plain row; each family sets the switche
                                local layers' own rope (rope_local_base_freq / sliding_attention)
     Phi-3 / 3.5 / Phi-4-mini   fused qkv_proj and gate_up_proj; partial rotary; LongRoPE; window
 
-The loader maps each family's weight names onto the same layer (loader.py). A config key that
-changes the computation and is not honoured is refused by name (never load a model and
-compute something else): ``_refuse``.
+The loaders map each family's weight names onto the same layer (checkpoint.py,
+gguf_weights.py). A config key that changes the computation and is not honoured is refused by
+name (never load a model and compute something else): ``_refuse``.
 """
 
 from __future__ import annotations
