@@ -15,6 +15,24 @@ def shown(v: Any) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
+def content_text(content: Any, kinds: Collection[str], where: str,
+                 kind_of: Callable[[Any], Any], text_of: Callable[[Any], Any],
+                 param: str = "messages") -> str:
+    """A content value as one string: a string as it is, or a list of parts (``join_text``);
+    anything else is a 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: must be a string or a list of {', '.join(kinds)} parts",
+                       param=param)
+    return join_text(content, kinds, where, kind_of, text_of, param)
+
+
+def part_type(part: Any) -> Any:
+    """A JSON part's ``type`` (None: not an object)."""
+    return part.get("type") if isinstance(part, dict) else None
+
+
 def join_text(parts: Sequence[Any], kinds: Collection[str], where: str,
               kind_of: Callable[[Any], Any], text_of: Callable[[Any], Any],
               param: str = "messages") -> str:

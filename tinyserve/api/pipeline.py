@@ -50,3 +50,14 @@ async def handle(ctx: ApiContext, generator: Generator, request: web.Request,
     return await generator.run(request, Job(
         prepared=prepared, n=call.request.n, tenant=tenant, stream=call.stream,
         shaper=lambda model, choices, whole: call.shaper(prepared, model, choices, whole)))
+
+
+class GenerateRoutes:
+    """A front's routes: the handlers' shared context and the generate path they end in."""
+
+    def __init__(self, ctx: ApiContext, generator: Generator) -> None:
+        self._ctx = ctx
+        self._generator = generator
+
+    async def _generate(self, request: web.Request, translate: Translate) -> web.StreamResponse:
+        return await handle(self._ctx, self._generator, request, translate)

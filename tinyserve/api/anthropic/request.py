@@ -38,7 +38,7 @@ from tinyserve.api.anthropic.types import (
     MessagesRequest,
     MessagesTool,
 )
-from tinyserve.api.content import join_text
+from tinyserve.api.content import content_text, part_type
 from tinyserve.api.decode import Neutral, anything, decode_request, empty_list, equals, none
 from tinyserve.api.errors import ApiError
 from tinyserve.api.openai.requests import ChatCompletionRequest, ChatMessage, ContentPart
@@ -152,24 +152,18 @@ def _user(blocks: list[MessagesBlock], where: str) -> list[ChatMessage]:
 
 
 def _result_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}: must be a string or a list of text blocks",
-                       param="messages")
-    try:
-        blocks = msgspec.convert(content, type=list[MessagesBlock])
-    except msgspec.ValidationError as e:
-        raise ApiError(400, f"{where}: {e}", param="messages") from None
-    return _text(blocks, where)
+    """A tool_result's content: text, or text blocks (as sent: JSON objects)."""
+    return content_text(content, ("text",), where, part_type, lambda b: _block_text(b.get("text")))
 
 
 def _text(content: str | list[MessagesBlock], where: str) -> str:
     """Text, or text blocks joined; any other block is a 400."""
-    if isinstance(content, str):
-        return content
-    return join_text(content, ("text",), where, lambda b: b.type,
-                     lambda b: 0 if b.text is None else b.text)
+    return content_text(content, ("text",), where, lambda b: b.type,
+                        lambda b: _block_text(b.text))
+
+
+def _block_text(text: Any) -> Any:
+    return 0 if text is None else text  # (a text block without its text: a 400)
 
 
 def _str(v: Any, where: str) -> str:

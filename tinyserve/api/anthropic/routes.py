@@ -13,21 +13,16 @@ from tinyserve.api.anthropic.request import chat_request, decode
 from tinyserve.api.anthropic.shaper import MessagesShaper
 from tinyserve.api.anthropic.types import CountTokensRequest, MessagesRequest, TokenCount
 from tinyserve.api.auth import authenticate
-from tinyserve.api.context import ApiContext, json_response, read_body
-from tinyserve.api.generate import Generator
-from tinyserve.api.pipeline import Call, handle
+from tinyserve.api.context import json_response, read_body
+from tinyserve.api.pipeline import Call, GenerateRoutes
 from tinyserve.api.prepare import Prepared, prepare
 from tinyserve.api.shaper import Shaper
 from tinyserve.config import TenantConfig
 
 
-class MessagesRoutes:
-    def __init__(self, ctx: ApiContext, generator: Generator) -> None:
-        self._ctx = ctx
-        self._generator = generator
-
+class MessagesRoutes(GenerateRoutes):
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        return await handle(self._ctx, self._generator, request, _translate)
+        return await self._generate(request, _translate)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``POST /v1/messages/count_tokens``: the prompt's length as the same request would

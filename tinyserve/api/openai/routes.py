@@ -6,30 +6,24 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tinyserve.api.context import ApiContext
 from tinyserve.api.errors import ApiError
-from tinyserve.api.generate import Generator
 from tinyserve.api.openai.chat import ChatShaper
 from tinyserve.api.openai.completion import CompletionShaper
 from tinyserve.api.openai.fields import decode
 from tinyserve.api.openai.requests import ChatCompletionRequest, CompletionRequest
-from tinyserve.api.pipeline import Call, handle
+from tinyserve.api.pipeline import Call, GenerateRoutes
 from tinyserve.api.prepare import Prepared
 from tinyserve.api.prompts import batch_of
 from tinyserve.api.shaper import Shaper
 from tinyserve.config import TenantConfig
 
 
-class CompletionRoutes:
-    def __init__(self, ctx: ApiContext, generator: Generator) -> None:
-        self._ctx = ctx
-        self._generator = generator
-
+class CompletionRoutes(GenerateRoutes):
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await handle(self._ctx, self._generator, request, _completion)
+        return await self._generate(request, _completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await handle(self._ctx, self._generator, request, _chat)
+        return await self._generate(request, _chat)
 
 
 def _completion(body: bytes, tenant: TenantConfig) -> Call:

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from tinyserve.api.content import join_text, shown
+from tinyserve.api.content import content_text, part_type, shown
 from tinyserve.api.decode import decode_request
 from tinyserve.api.errors import ApiError
 from tinyserve.api.openai.requests import ChatCompletionRequest, ChatMessage
@@ -120,20 +120,8 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _text(content: Any, where: str) -> str:
     """A message's content (a string, or text parts) as one string."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}.content must be a string or a list of parts",
-                       param="input")
-    return join_text(content, _TEXT_PARTS, f"{where}.content", _part_type, _part_text,
-                     param="input")
-
-
-_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
-
-
-def _part_type(p: Any) -> Any:
-    return p.get("type") if isinstance(p, dict) else None
+    return content_text(content, ("input_text", "output_text", "text", "refusal"),
+                        f"{where}.content", part_type, _part_text, param="input")
 
 
 def _part_text(p: dict[str, Any]) -> Any:

@@ -30,7 +30,7 @@ from tinyserve.api.auth import authenticate
 from tinyserve.api.context import ApiContext
 from tinyserve.api.errors import ApiError
 from tinyserve.api.generate import Generator
-from tinyserve.api.pipeline import Call, handle
+from tinyserve.api.pipeline import Call, GenerateRoutes
 from tinyserve.api.prepare import Prepared
 from tinyserve.api.responses.request import decode, input_messages, to_chat
 from tinyserve.api.responses.shaper import ResponsesShaper
@@ -43,14 +43,13 @@ _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
            "response_format": "text.format"}
 
 
-class ResponsesRoutes:
+class ResponsesRoutes(GenerateRoutes):
     def __init__(self, ctx: ApiContext, generator: Generator) -> None:
-        self._ctx = ctx
-        self._generator = generator
+        super().__init__(ctx, generator)
         self.store = ResponseStore(ctx.cfg.responses_store_max, ctx.cfg.responses_store_max_bytes)
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        return await handle(self._ctx, self._generator, request, self._translate)
+        return await self._generate(request, self._translate)
 
     def _translate(self, body: bytes, tenant: TenantConfig) -> Call:
         req = decode(body)
