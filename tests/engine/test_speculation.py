@@ -6,6 +6,7 @@ a GQA model and the sampled distribution."""
 
 import json
 
+import msgspec
 import pytest
 
 from tinyserve import LLM, SamplingParams
@@ -26,9 +27,24 @@ def draft(model: str, **kw) -> SpeculativeConfig:
                              num_speculative_tokens=3, **kw)
 
 
+class Plain:
+    """The engine without speculation, its answers kept: each is the reference for both
+    proposers (greedy and seeded runs repeat exactly, so the second ask is the first's)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self._answers: dict[bytes, list] = {}
+
+    def generate(self, prompts, params):
+        key = msgspec.json.encode([prompts, params])
+        if key not in self._answers:
+            self._answers[key] = self.llm.generate(prompts, params)
+        return self._answers[key]
+
+
 @pytest.fixture(scope="module")
 def plain(stories_dir):
-    return LLM(str(stories_dir), dtype="float32")
+    return Plain(LLM(str(stories_dir), dtype="float32"))
 
 
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])
@@ -37,7 +53,7 @@ def spec(request, stories_dir):
     return LLM(str(stories_dir), dtype="float32", speculative=sp)
 
 
-def tokens(llm: LLM, prompts, params) -> list[tuple[int, ...]]:
+def tokens(llm: LLM | Plain, prompts, params) -> list[tuple[int, ...]]:
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 

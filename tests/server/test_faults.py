@@ -15,7 +15,7 @@ import pytest
 from tests.server.helpers import completion, post
 from tests.server.inprocess import FakeRunner, InProcessServer
 
-# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+# Wall-clock latency bounds: run without a CPU-bound neighbour, after the parallel part (.ci/run).
 pytestmark = pytest.mark.serial
 
 

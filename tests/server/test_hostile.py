@@ -13,7 +13,7 @@ import pytest
 
 from tests.server.helpers import MODEL, completion, post, run
 
-# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+# Wall-clock latency bounds: run without a CPU-bound neighbour, after the parallel part (.ci/run).
 pytestmark = pytest.mark.serial
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park",

@@ -14,7 +14,7 @@ from tests.server.conftest import metric_value
 from tests.server.inprocess import FakeRunner, InProcessServer
 from tinyserve.config import TenantConfig
 
-# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+# Wall-clock latency bounds: run without a CPU-bound neighbour, after the parallel part (.ci/run).
 pytestmark = pytest.mark.serial
 
 ADMIN, DEG, FIRM = "key-admin", "key-degradable", "key-firm"

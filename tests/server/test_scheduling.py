@@ -126,7 +126,7 @@ async def _probe_during_prefill(url):
         return latencies, still_running
 
 
-@pytest.mark.serial  # a wall-clock bound: run alone, after the parallel part (.ci/run)
+@pytest.mark.serial  # a wall-clock bound: no CPU-bound neighbour (.ci/run)
 def test_health_answers_quickly_while_a_long_prefill_runs(server):
     latencies, still_running = run(_probe_during_prefill(server.url))
     assert still_running, "the prefill ended before the probes: the test measured nothing"

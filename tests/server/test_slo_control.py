@@ -7,7 +7,7 @@ import pytest
 
 from tests.scripts import loadtest_script
 
-# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+# Wall-clock latency bounds: run without a CPU-bound neighbour, after the parallel part (.ci/run).
 pytestmark = pytest.mark.serial
 
 

@@ -15,7 +15,7 @@ from tinyserve.actors.quotas import TenantQuotas, TokenBucket
 from tinyserve.cli.tenants import load_tenants
 from tinyserve.config import TenantConfig
 
-# Wall-clock latency bounds: run alone, after the parallel part of the suite (.ci/run).
+# Wall-clock latency bounds: run without a CPU-bound neighbour, after the parallel part (.ci/run).
 pytestmark = pytest.mark.serial
 
 A, B, C = ("key-of-acme", "key-of-bobco", "key-of-acme-labs")
