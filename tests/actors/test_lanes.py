@@ -7,6 +7,8 @@ released before admission saw it is admitted uncharged and aborted at once."""
 import asyncio
 import time
 
+import pytest
+
 from tinyserve.actors.admission import Admission
 from tinyserve.actors.lanes import Lane, RequestHandle
 from tinyserve.actors.quotas import TenantQuotas
@@ -139,3 +141,23 @@ def test_ask_answers_with_the_decision_and_a_full_inbox_is_a_429_at_once():
         refused = await admission.ask([_submit(_handle(3))])
         assert refused.status == 429 and refused.retry_after
     asyncio.run(main())
+
+
+def test_a_fault_while_deciding_leaves_no_choice_holding_a_slot():
+    """Admission's own bug on a later choice: the request is answered 500 (run() does that),
+    and the choices placed before it hold nothing."""
+    lane = _lane()
+    admission = Admission([lane], tenants=(TENANT,))
+    admission.ready = True
+    real, calls = admission._place, iter([False, True])
+
+    def place(msg):
+        if next(calls):
+            raise RuntimeError("admission bug")
+        return real(msg)
+    admission._place = place
+    handles = [_handle(1), _handle(2)]
+    with pytest.raises(RuntimeError):
+        admission._decide([_submit(h) for h in handles])
+    assert lane.in_system() == 0 and admission.quotas.in_flight("t") == 0
+    assert lane.batcher_inbox.empty() and all(h.lane is None for h in handles)

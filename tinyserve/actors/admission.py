@@ -194,13 +194,16 @@ class Admission:
         """Every choice placed (its handle admitted), then sent on; or, at the first refused,
         none: those placed before it are withdrawn."""
         placed: list[tuple[Lane, Submit, Lane, str]] = []
-        for msg in submits:
-            got = self._place(msg)
-            if isinstance(got, Failed):
-                for _, done, _, _ in placed:
-                    done.handle.withdraw()
-                return got
-            placed.append(got)
+        try:
+            for msg in submits:
+                got = self._place(msg)
+                if isinstance(got, Failed):
+                    _withdraw(placed)
+                    return got
+                placed.append(got)
+        except Exception:  # (run() answers a 500: nothing of it may keep a slot)
+            _withdraw(placed)
+            raise
         for lane, msg, routed, why in placed:
             lane.batcher_inbox.put_nowait(msg)  # sized for capacity: never full (lanes.py)
             if msg.handle.released:  # its client left while it waited here: end it as an abort
@@ -281,6 +284,11 @@ class Admission:
                 "requests are shed for now", retry_after=5.0))
         capped = tenant.degradable and lane.slo.level >= 2
         return lane, (_capped(msg) if capped else msg), why, None
+
+
+def _withdraw(placed: list[tuple[Lane, Submit, Lane, str]]) -> None:
+    for _, msg, _, _ in placed:
+        msg.handle.withdraw()
 
 
 def _capped(msg: Submit) -> Submit:
