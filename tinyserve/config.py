@@ -5,6 +5,7 @@ Validation errors name the bad field, so CLI and API users see which knob is wro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,25 +42,56 @@ class SpeculativeConfig:
     min_acceptance: float = 0.1
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.method in REFUSED_SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method {self.method!r} is not supported: it "
                              "needs a trained head; ngram and draft_model are")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError("speculative_config.method must be one of "
-                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+                             f"{', '.join(SPECULATIVE_METHODS)}, got {self.method[:40]!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16], "
                              f"got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 32:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
-                             "prompt_lookup_max <= 32")
+                             f"prompt_lookup_max <= 32, got prompt_lookup_min="
+                             f"{self.prompt_lookup_min} and prompt_lookup_max="
+                             f"{self.prompt_lookup_max}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError("speculative_config.quantization must be one of "
+                             f"{', '.join(str(q) for q in QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model: a draft_model needs its checkpoint")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative_config.model is for method draft_model")
-        if self.disable_by_batch_size < 1 or not 0 <= self.min_acceptance < 1:
-            raise ValueError("speculative_config: disable_by_batch_size >= 1 and "
-                             "min_acceptance in [0, 1)")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config.disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
+        if not 0 <= self.min_acceptance < 1:
+            raise ValueError("speculative_config.min_acceptance must be in [0, 1), got "
+                             f"{self.min_acceptance}")
+
+    def _check_types(self) -> None:
+        """The JSON's types (a user's --speculative-config): bools are not numbers, counts
+        are integers, the acceptance rate a finite number, names strings."""
+        def refuse(name: str, kind: str) -> ValueError:
+            shown = repr(getattr(self, name))
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            return ValueError(f"speculative_config.{name} must be {kind}, got {shown}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
+            if type(getattr(self, name)) is not int:
+                raise refuse(name, "an integer")
+        if type(self.min_acceptance) not in (int, float) or \
+                not math.isfinite(self.min_acceptance):
+            raise refuse("min_acceptance", "a finite number")
+        object.__setattr__(self, "min_acceptance", float(self.min_acceptance))
+        if type(self.method) is not str:
+            raise refuse("method", "a string")
+        for name in ("model", "quantization"):
+            if getattr(self, name) is not None and type(getattr(self, name)) is not str:
+                raise refuse(name, "a string or null")
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +309,11 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.tenants and self.api_key:
             raise ValueError("api_key and tenants are exclusive: put keys in the tenants file")
+        if self.api_key is not None and (not self.api_key.strip()
+                                         or self.api_key != self.api_key.strip()):
+            # (an unset variable, --api-key "$KEY", would otherwise open the server to all)
+            raise ValueError("api_key is empty or has spaces around it: give a key, or leave "
+                             "--api-key out for a server without keys")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"log_level must be debug/info/warning/error, got {self.log_level!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

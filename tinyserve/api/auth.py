@@ -22,6 +22,8 @@ def find_tenant(tenants: Sequence[TenantConfig], authorization: str) -> TenantCo
     # aiohttp keeps undecodable header bytes as surrogates: encode them back, never raise
     scheme, _, token = authorization.partition(" ")
     given = token.strip().encode("utf-8", "surrogateescape")
+    if not given:  # no key is empty (the tenants file refuses one): an empty bearer is no key
+        return None
     found = None
     for t in tenants:  # no early exit: timing says nothing about which key is close
         if hmac.compare_digest(given, t.api_key.encode()) and scheme.lower() == "bearer":

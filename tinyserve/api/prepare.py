@@ -76,7 +76,7 @@ async def parse(parser: PromptParser, req: Generating, grammar_scope: str = "",
                        req.parallel_tool_calls) if chat else None
     prompts = await parser.prompts(req, tools)
     params, grammar_field = sampling_params(req, parser.max_tokens_for(req, prompts), tools,
-                                            grammar_scope)
+                                            grammar_scope, parser.vocab_size)
     try:
         # (prompt_logprobs=-1 is bounded over the whole answer: every prompt, every choice)
         check_sampling_vocabulary(params, parser.vocab_size,

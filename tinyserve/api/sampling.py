@@ -1,15 +1,18 @@
 """Request -> sampling parameters: the one place where API fields become engine fields.
 
 Three kinds of check, each in one place: the request's shape here (``n``, ``top_logprobs``
-without ``logprobs``, a ``logit_bias`` key that is not a number, one structured-output field at
-most); value ranges in ``messages.SamplingParams``; the vocabulary in the engine core
-(``core.engine_core.check_request``, run before the request is submitted so a bad id is a 400
-before any stream starts). Every refusal names the request's own field.
+without ``logprobs``, a ``logit_bias`` key that is not a token id, one structured-output field
+at most, and each token id a request names: in the model's vocabulary, the refusal naming the
+id, before it is a ``SamplingParams``); value ranges in ``messages.SamplingParams``; the rest of
+the vocabulary's limits in the engine core (``core.engine_core.check_sampling_vocabulary``, run
+before the request is submitted, so a bad value is a 400 before any stream starts). Every
+refusal names the request's own field.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -17,6 +20,7 @@ import msgspec
 from tinyserve.api.errors import ApiError
 from tinyserve.api.openai.requests import ChatCompletionRequest, CompletionRequest
 from tinyserve.api.tools.plan import ToolPlan
+from tinyserve.core.engine_core import check_token_ids
 from tinyserve.messages import (
     FULL_VOCAB,
     MAX_LOGIT_BIAS,
@@ -27,15 +31,20 @@ from tinyserve.messages import (
 )
 
 MAX_N = 64  # choices per request (n x prompts: each is a request to admission)
+# a logit_bias key: a token id in decimal (40 digits shows any id, bounds int()'s work)
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,40}")
 
 Generating = ChatCompletionRequest | CompletionRequest
 
 
 def sampling_params(req: Generating, max_tokens: int, tools: ToolPlan | None = None,
-                    grammar_scope: str = "") -> tuple[SamplingParams, str | None]:
+                    grammar_scope: str = "", vocab_size: int | None = None
+                    ) -> tuple[SamplingParams, str | None]:
     """The request's sampling parameters, and the field that asked for structured output
     (``tool_choice`` when the tools force one), or None. ``grammar_scope``: the tenant's
-    cache group (its compiled grammars are cached apart from other groups')."""
+    cache group (its compiled grammars are cached apart from other groups'); ``vocab_size``:
+    the routed model's, which every token id the request names must be in (None: the
+    engine core checks them, naming no id)."""
     if not 1 <= req.n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     chat = isinstance(req, ChatCompletionRequest)
@@ -68,12 +77,12 @@ def sampling_params(req: Generating, max_tokens: int, tools: ToolPlan | None = N
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop_token_ids=_token_ids(req.stop_token_ids, "stop_token_ids", vocab_size),
             skip_special_tokens=req.skip_special_tokens,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
+            logit_bias=_logit_bias(req.logit_bias, vocab_size), min_tokens=req.min_tokens,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output, guided=guided,
             return_token_ids=bool(req.return_token_ids))
@@ -165,8 +174,21 @@ def _json(value: Any) -> str:
     return msgspec.json.encode(value).decode()
 
 
-def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """The JSON object's keys as token ids (their range is the engine core's to check)."""
+def _token_ids(ids: list[int] | None, field: str, vocab_size: int | None) -> tuple[int, ...]:
+    if not ids:
+        return ()
+    if vocab_size is not None:
+        try:
+            check_token_ids(ids, vocab_size, field)
+        except FieldError as e:
+            raise ApiError.from_field(e) from None
+    return tuple(ids)
+
+
+def _logit_bias(bias: dict[str, float] | None,
+                vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """The JSON object's keys as token ids: decimal integers (not int()'s "1_0", " 5" or
+    other scripts' digits), in the vocabulary."""
     if not bias:
         return ()
     if len(bias) > MAX_LOGIT_BIAS:  # (before looking at each key)
@@ -174,12 +196,11 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
                        param="logit_bias")
     out = []
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
+        if not _TOKEN_KEY.fullmatch(key):
             raise ApiError(400, f"logit_bias: {key[:40]!r} is not a token id",
-                           param="logit_bias") from None
+                           param="logit_bias")
         if not math.isfinite(value):
             raise ApiError(400, "logit_bias values must be finite numbers", param="logit_bias")
-        out.append((token, value))
+        out.append((int(key), value))
+    _token_ids([t for t, _ in out], "logit_bias", vocab_size)
     return tuple(out)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from tinyserve.api.auth import authenticate
@@ -60,7 +59,7 @@ class ResponsesRoutes(GenerateRoutes):
                 raise ApiError(404, f"Previous response with id "
                                f"'{req.previous_response_id[:80]}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
-            history = list(found.messages)
+            history = found.messages
         given = input_messages(req.input)
 
         def keep(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
@@ -81,7 +80,7 @@ class ResponsesRoutes(GenerateRoutes):
         found = self.store.get(tenant.name, rid)
         if found is None:
             raise _not_found(rid)
-        return web.json_response(body=msgspec.json.encode(found.response))
+        return web.json_response(body=found.response_json)
 
     async def delete(self, request: web.Request) -> web.Response:
         tenant = authenticate(request, self._ctx.cfg.tenant_list)

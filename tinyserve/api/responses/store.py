@@ -1,11 +1,17 @@
 """The Responses API's memory: stored responses, for ``previous_response_id`` and
 ``GET`` / ``DELETE /v1/responses/{id}``.
 
-One least-recently-used store per tenant, each bounded by a count and by bytes (the encoded
-response and conversation): a tenant that stores a lot evicts only its own responses, and no
-tenant can see another's (a lookup under another tenant finds nothing: the API answers 404, as
-for an id that never existed). Ids are the server's own (``resp_`` + 128 random bits), so one
-cannot be guessed. Owned by the Responses routes; the event loop is its only user.
+One least-recently-used store per tenant, each bounded by a count and by bytes: a tenant that
+stores a lot evicts only its own responses, and no tenant can see another's (a lookup under
+another tenant finds nothing: the API answers 404, as for an id that never existed). Ids are
+the server's own (``resp_`` + 128 random bits), so one cannot be guessed. Owned by the
+Responses routes; the event loop is its only user.
+
+What is kept is what is counted: each response and its conversation as encoded JSON, decoded
+again on each read. A response echoes the request's free-form objects (``text``, ``tools``), and
+as Python objects their JSON grows ~25x (``[]``: 3 bytes sent, ~80 of heap). NOTE: kept as
+objects, a 16 MiB bound let RSS grow 357 MiB (30 responses of 1.2 MB, ``text`` padded with
+``[]``s); kept encoded, 25 MiB (tests/server/test_responses_memory.py).
 """
 
 from __future__ import annotations
@@ -16,15 +22,31 @@ from typing import Any
 
 import msgspec
 
+# What an entry costs beside its JSON (the Stored, its id, the dict slot), counted so that a
+# count bound of many tiny responses is not free
+ENTRY_OVERHEAD = 256
+
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    response: dict[str, Any]  # the Response object as GET returns it
+    response_json: bytes  # the Response object as GET returns it
     # the conversation up to and including this response's output, as chat messages (what a
     # follow-up renders through the chat template before its own input); instructions are not
     # kept: as OpenAI's, they do not carry over
-    messages: tuple[dict[str, Any], ...]
-    size: int  # bytes counted against the tenant's bound
+    messages_json: bytes
+
+    @property
+    def size(self) -> int:
+        """Bytes counted against the tenant's bound."""
+        return len(self.response_json) + len(self.messages_json) + ENTRY_OVERHEAD
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return msgspec.json.decode(self.response_json)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return msgspec.json.decode(self.messages_json)
 
 
 class _TenantStore:
@@ -44,13 +66,13 @@ class ResponseStore:
     def put(self, tenant: str, response: dict[str, Any],
             messages: list[dict[str, Any]]) -> bool:
         """Keep a response (the newest); False when it alone is over the byte bound."""
-        size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(messages))
-        if self.max_count == 0 or size > self.max_bytes:
+        stored = Stored(msgspec.json.encode(response), msgspec.json.encode(messages))
+        if self.max_count == 0 or stored.size > self.max_bytes:
             return False
         store = self._tenants.setdefault(tenant, _TenantStore())
         self._drop(store, response["id"])
-        store.items[response["id"]] = Stored(response, tuple(messages), size)
-        store.bytes += size
+        store.items[response["id"]] = stored
+        store.bytes += stored.size
         while len(store.items) > self.max_count or store.bytes > self.max_bytes:
             _, old = store.items.popitem(last=False)
             store.bytes -= old.size
