@@ -29,6 +29,16 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, launch, next_pow2
 
 
 @triton.jit
+def finite_or_zero(x, DTYPE: tl.constexpr):
+    """x as the cache holds it (DTYPE), with NaN and +-inf (an overflowing sequence's K/V) as
+    0: a decode program shares its key tile among sequences and gives other sequences' V rows
+    exact zero weights, and 0 * inf is NaN - one poisoned sequence would reach all of them.
+    Returned in fp32, exact for DTYPE's values."""
+    y = x.to(DTYPE).to(tl.float32)
+    return tl.where(tl.abs(y) < float("inf"), y, 0.0)
+
+
+@triton.jit
 def quantize_kv(x1, x2, x3, HAS_REST: tl.constexpr = False):
     """Parts [BLOCK_T, BLOCK_H, *] of each (token, head) vector (two halves, and with HAS_REST
     a third: the dims past a partial rotary) -> their int8 codes and the fp16 scale
@@ -84,8 +94,8 @@ def _write_kv_int8_kernel(
 
 @triton.jit
 def _quantize_into(x_ptrs, code_ptrs, scale_ptrs, mask, th_ok, half):
-    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    x1 = finite_or_zero(tl.load(x_ptrs, mask=mask, other=0.0), tl.float32)
+    x2 = finite_or_zero(tl.load(x_ptrs + half, mask=mask, other=0.0), tl.float32)
     c1, c2, _, scale = quantize_kv(x1, x2, x1)
     tl.store(code_ptrs, c1, mask=mask)
     tl.store(code_ptrs + half, c2, mask=mask)
@@ -121,10 +131,11 @@ def _write_kv_kernel(
     valid = mask_t & (slot >= 0) & (slot < num_slots)
     mask = valid[:, None] & (offs_c < HD)[None, :]
     dst = slot[:, None] * HD + offs_c[None, :]
+    dt = k_cache_ptr.dtype.element_ty
     k = tl.load(k_ptr + offs_t[:, None] * stride_kt + offs_c[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, finite_or_zero(k, dt).to(dt), mask=mask)
     v = tl.load(v_ptr + offs_t[:, None] * stride_vt + offs_c[None, :], mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, finite_or_zero(v, dt).to(dt), mask=mask)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

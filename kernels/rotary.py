@@ -31,7 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.kv_cache import check_kv_scales, quantize_kv, write_kv_cache
+from tinyserve.kernels.kv_cache import (
+    check_kv_scales,
+    finite_or_zero,
+    quantize_kv,
+    write_kv_cache,
+)
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, launch, next_pow2
 
 
@@ -257,6 +262,8 @@ def _rotary_kv_kernel(
     k_mask = kv_t[:, None] & h_k[None, :]
     v_mask = kv_t[:, None] & h_v[None, :]
     if QUANT:  # a head's whole vector is in this program: its scale is a register max
+        y1, y2, x3 = finite_or_zero(y1, tl.float32), finite_or_zero(y2, tl.float32), \
+            finite_or_zero(x3, tl.float32)
         c1, c2, c3, scale = quantize_kv(y1, y2, x3, HAS_REST)
         s_dst = slot[:, None] * num_kv_heads + kv_head[None, :]
         _store_parts(k_cache_ptr + dst, c1, c2, c3, k_mask, offs_d, offs_r, HALF, REST, HAS_REST)
@@ -264,6 +271,8 @@ def _rotary_kv_kernel(
         _store_parts(v_cache_ptr + dst, c1, c2, c3, v_mask, offs_d, offs_r, HALF, REST, HAS_REST)
         tl.store(v_scale_ptr + s_dst, scale, mask=v_mask)
     else:
+        dt = k_cache_ptr.dtype.element_ty
+        y1, y2, x3 = finite_or_zero(y1, dt), finite_or_zero(y2, dt), finite_or_zero(x3, dt)
         _store_parts(k_cache_ptr + dst, y1, y2, x3, k_mask, offs_d, offs_r, HALF, REST, HAS_REST)
         _store_parts(v_cache_ptr + dst, y1, y2, x3, v_mask, offs_d, offs_r, HALF, REST, HAS_REST)
 

@@ -63,7 +63,7 @@ class LLM:
         self.core = EngineCore(CoreConfig.from_engine(self.config, self.info), self.tokenizer)
         self._ids = itertools.count()
         self.adapters = None if not self.info.max_loras else AdapterRegistry(
-            "", self.info.lora_dims, self.info.max_lora_rank)
+            "", self.info.lora_dims, self.info.max_lora_rank, reader=self.engine.read_adapter)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -130,6 +130,16 @@ class PromptLogprobs(msgspec.Struct, frozen=True):
     entries: tuple[tuple[float, int, tuple[tuple[int, float], ...]], ...]  # (lp, rank, top N)
 
 
+class SeqFault(msgspec.Struct, frozen=True):
+    """A sequence the runner could not run, or whose draw it cannot trust, while the rest of
+    the step went on: it ends with this error and nothing of it this step counts (its KV
+    for the step is not committed to the prefix cache). ``reason``: RequestFault.reason."""
+
+    seq_id: int
+    reason: str
+    message: str
+
+
 class PlanAhead(msgspec.Struct, frozen=True, tag=True):
     """Batcher to itself (a timer): time to plan the step behind the one running."""
 
@@ -140,6 +150,7 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     error: str | None = None  # the step failed; no sequence advanced
     seconds: float = 0.0  # wall time of the forward pass + sampling
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    faults: tuple[SeqFault, ...] = ()  # sequences that ended by a fault of their own
 
 
 # -- api -> Admission -> Batcher -------------------------------------------------------------
@@ -316,4 +327,20 @@ class ConstraintFailed(msgspec.Struct, frozen=True, tag=True):
     # "grammar" (the request's grammar failed: a matcher limit) | "dead_end" (it allows no
     # token) | "nothing_allowed" (grammar + bans + min_tokens leave none) | "grammar_crash"
     # (the matcher raised: a 500)
+    reason: str
+
+
+class StepFailed(msgspec.Struct, frozen=True, tag=True):
+    """A step raised with no request to blame: every request in it ended with a 500."""
+
+    model: str
+
+
+class RequestFault(msgspec.Struct, frozen=True, tag=True):
+    """A request ended by a fault of its own while its neighbours in the step went on."""
+
+    model: str
+    # "adapter" (its LoRA adapter could not be read into its slot) | "non_finite" (its logits
+    # were NaN or infinite) | "invalid" (its inputs or parameters could not run: found when
+    # the step raised, and the step ran again without it)
     reason: str

@@ -190,7 +190,8 @@ class Server:
     def _adapters(self, engines: dict[str, Engine]) -> dict[str, AdapterRegistry]:
         """Each model that serves LoRA adapters: its registry, with the --lora-modules
         loaded (ValueError: one that does not fit, or a name already taken)."""
-        registries = {name: AdapterRegistry(name, e.info.lora_dims, e.info.max_lora_rank)
+        registries = {name: AdapterRegistry(name, e.info.lora_dims, e.info.max_lora_rank,
+                                            reader=e.read_adapter)
                       for name, e in engines.items() if e.info.max_loras}
         taken = set(engines) | set(self.router.routes)
         for name, path, base in self.cfg.lora_modules:

@@ -311,3 +311,26 @@ def test_windowed_rows_are_batch_invariant(device):
                                        torch.tensor([0, hi - lo], device=device), hi - lo,
                                        window=20)
         assert torch.equal(part, whole[lo:hi])
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_sequence_whose_kv_overflows_never_reaches_the_sequences_beside_it(device, bad):
+    """Decode programs share a key tile among sequences and weigh the others' V rows by exact
+    zeros: a non-finite V would make them NaN (0 * inf). The cache write stores such values as
+    0, so a poisoned sequence's neighbours answer as alone (bit for bit)."""
+    from tinyserve.kernels import write_kv_cache
+
+    lens = [37, 5, 130, 64, 1]
+    k_cache, v_cache, tables, _ = make_paged(lens, 2, 16, 16, torch.float32, device, seed=11)
+    q = torch.randn(len(lens), 8, 16, generator=torch.Generator().manual_seed(12)).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    alone = [token_attention_paged(q[b:b + 1], k_cache, v_cache, tables[b:b + 1],
+                                   seq_lens[b:b + 1], n) for b, n in enumerate(lens)]
+    block = int(tables[1, 0])
+    slots = torch.arange(block * 16, block * 16 + 5, device=device)
+    poison = torch.full((5, 2, 16), bad, device=device)
+    write_kv_cache(poison, poison, k_cache, v_cache, slots)
+    assert torch.count_nonzero(v_cache[block, :5]) == 0  # stored as zeros
+    together = token_attention_paged(q, k_cache, v_cache, tables, seq_lens, max(lens))
+    for b in (0, 2, 3, 4):
+        assert torch.equal(together[b], alone[b][0]), b

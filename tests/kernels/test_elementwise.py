@@ -1,6 +1,8 @@
 """Row-wise kernels against float32 torch references: gather, add+RMSNorm, rotary, SiLU*mul,
 KV-cache write. Shapes are deliberately awkward (not multiples of any block size)."""
 
+import math
+
 import pytest
 import torch
 
@@ -363,3 +365,34 @@ def test_partial_rotary_and_qk_norm_into_an_int8_cache(device, Dh, rot):
     for deq, ref in ((deq_k, k_ref), (deq_v, v_ref)):
         step = ref.abs().amax(-1, keepdim=True) / 127
         assert ((deq - ref).abs() <= step * 0.51 + 1e-3 * step).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_finite_k_and_v_are_cached_as_zeros(device, dtype):
+    """NaN, +-inf and (in fp16) values past its range are written as 0 by both write paths,
+    the fused rotary one and write_kv_cache; finite values as they are."""
+    from tinyserve.kernels import rotary_and_write_kv
+
+    T, Hq, Hk, Dh = 6, 4, 2, 16
+    qkv32 = torch.randn(T, (Hq + 2 * Hk) * Dh, generator=torch.Generator().manual_seed(5))
+    qkv32[1, Hq * Dh:] = math.inf
+    qkv32[3, (Hq + Hk) * Dh + 2] = math.nan
+    qkv32[4, (Hq + Hk) * Dh + 1] = 1e30  # finite in fp32, inf in fp16
+    inv = 1.0 / 10000 ** (torch.arange(0, Dh, 2, dtype=torch.float32) / Dh)
+    ang = torch.arange(64, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    pos = slots = torch.arange(T, device=device)
+    for fused in (False, True):
+        qkv = qkv32.to(device, dtype)
+        q, k, v = (qkv[:, :Hq * Dh].view(T, Hq, Dh), qkv[:, Hq * Dh:(Hq + Hk) * Dh].view(T, Hk, Dh),
+                   qkv[:, (Hq + Hk) * Dh:].view(T, Hk, Dh))
+        kc = torch.full((1, 8, Hk, Dh), 7.0, dtype=dtype, device=device)
+        vc = torch.full_like(kc, 7.0)
+        if fused:
+            rotary_and_write_kv(q, k, v, pos, cos, sin, kc, vc, slots)
+        else:
+            write_kv_cache(k, v, kc, vc, slots)
+        assert torch.isfinite(kc).all() and torch.isfinite(vc).all(), fused
+        assert torch.count_nonzero(kc[0, 1]) == 0 and torch.count_nonzero(vc[0, 1]) == 0
+        assert vc[0, 3, 0, 2] == 0 and torch.equal(vc[0, 0], v[0])  # (finite: as it was)
+        assert (vc[0, 4, 0, 1] == 0) == (dtype == torch.float16), fused

@@ -42,7 +42,9 @@ from tinyserve.messages import (
     FieldError,
     Output,
     PlanAhead,
+    RequestFault,
     RequestFinished,
+    StepFailed,
     StepPlan,
     StepResult,
     StepStats,
@@ -51,6 +53,9 @@ from tinyserve.messages import (
 
 log = logging.getLogger(__name__)
 
+# a request's own fault, as its client sees it: its inputs could not run (400), its adapter
+# could not be read or its logits were not finite (500: the server's files, that request only)
+FAULT_STATUS = {"invalid": 400, "adapter": 500, "non_finite": 500}
 PLAN_AHEAD = 0.6  # plan the next step this far into the running one (of its expected time)
 
 
@@ -249,6 +254,7 @@ class Batcher:
             self._step_s[kind] = 0.8 * old + 0.2 * result.seconds if old else result.seconds
         if result.error:
             log.error("step %d failed: %s", result.step_id, result.error)
+            self._metrics.emit(StepFailed(self.model))
         now = time.monotonic()
         self.replies.refill(now)
         tokens = 0  # vLLM's iteration tokens: see StepStats.num_tokens
@@ -293,6 +299,11 @@ class Batcher:
         reason, message = req.seq.error
         log.warning("request %d ended after %d tokens: %s", req.request_id,
                     req.seq.num_output_tokens, message)
+        if reason in FAULT_STATUS:  # a fault of its own (engine/running/faults.py)
+            self._metrics.emit(RequestFault(self.model, reason))
+            self.replies.send(req, Failed(FAULT_STATUS[reason], message))
+            self._end(req, None)
+            return
         self._metrics.emit(ConstraintFailed(self.model, reason))
         # The request's own constraints (its grammar, its bans) are a 4xx, as an invalid
         # body would be; only the matcher raising is the server's fault (ConstraintFailed).

@@ -26,8 +26,10 @@ from tinyserve.messages import (
     ApiAnswered,
     ConstraintFailed,
     RequestFailed,
+    RequestFault,
     RequestFinished,
     Rerouted,
+    StepFailed,
     StepStats,
 )
 
@@ -210,6 +212,14 @@ class Metrics:
             "(the grammar allows no token), nothing_allowed (grammar, logit_bias bans and "
             "min_tokens leave no token) - all a 400 - or grammar_crash (the matcher raised: a "
             "500)", "reason")
+        self.failed_steps = per_model(
+            C, "failed_steps", "Steps that raised with no request to blame (each request in "
+            "them answered 500; --max-failed-steps in a row and /health answers 503)")
+        self.request_faults = per_model(
+            C, "request_faults", "Requests ended by a fault of their own while the rest of "
+            "their step went on: reason adapter (its LoRA adapter could not be read: a 500), "
+            "non_finite (its logits were NaN or infinite: a 500), invalid (its inputs made the "
+            "step raise; the step ran again without it: a 400)", "reason")
         self.dropped = self._series(C, "metrics_events_dropped",
                                     "Metric events dropped (full inbox)", [])
 
@@ -224,9 +234,13 @@ class Metrics:
         # rare: exported at 0 until they happen
         for reason in ("grammar", "dead_end", "nothing_allowed", "grammar_crash"):
             self.constraint_failures.labels(model, model, reason)
+        for reason in ("adapter", "non_finite", "invalid"):
+            self.request_faults.labels(model, model, reason)
+        self.failed_steps.labels(model, model)
 
     def emit(self, event: StepStats | RequestFinished | RequestFailed | AdmissionRejected
-             | Rerouted | ApiAnswered | ConstraintFailed) -> None:
+             | Rerouted | ApiAnswered | ConstraintFailed | RequestFault
+             | StepFailed) -> None:
         try:
             self.inbox.put_nowait(event)
         except asyncio.QueueFull:
@@ -260,6 +274,10 @@ class Metrics:
                     self.rejections.labels(ev.model, ev.model, ev.tenant, ev.reason).inc()
                 case ConstraintFailed():
                     self.constraint_failures.labels(ev.model, ev.model, ev.reason).inc()
+                case RequestFault():
+                    self.request_faults.labels(ev.model, ev.model, ev.reason).inc()
+                case StepFailed():
+                    self.failed_steps.labels(ev.model, ev.model).inc()
                 case Rerouted():
                     self.fallbacks.labels(ev.model, ev.model, ev.fallback, ev.tenant,
                                           ev.reason).inc()

@@ -1,5 +1,6 @@
 """LoRA adapters, torch-free: a PEFT directory read and checked against the base model
-(``adapter_config.json`` and the safetensors header, no tensor data), and the registry of
+(``adapter_config.json`` and the safetensors header: every entry's dtype, shape and offsets
+against each other and the file; the engine then reads and checks the data), and the registry of
 the adapters a served model has: names, versions, the requests using each.
 
 What a directory may hold (PEFT's names; anything else is refused naming it):
@@ -19,6 +20,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,47 +79,34 @@ class AdapterSpec:
         return b"\0lora:%d" % self.adapter_id
 
 
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json
+MAX_HEADER_BYTES = 100 << 20  # the safetensors header (JSON)
+MAX_PATH_CHARS = 4096
+MAX_SCALE = 1e4  # |alpha / r|: real adapters sit within 0.1-64
+_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # what a LoRA weight may be stored as
+
+
 def read_adapter(path: str | Path, dims: ModelDims, max_rank: int, name: str = "",
                  adapter_id: int = 0) -> AdapterSpec:
     """A PEFT LoRA directory checked against the base model; ValueError naming what does not
-    fit (the message is the client's, for load_lora_adapter)."""
+    fit (the message is the client's, for load_lora_adapter). Reads the config and the
+    safetensors header only: the engine reads and checks the weights (AdapterRegistry)."""
+    if not isinstance(path, (str, Path)) or not 0 < len(str(path)) <= MAX_PATH_CHARS \
+            or "\0" in str(path):
+        raise ValueError(f"lora_path must be a path of 1 to {MAX_PATH_CHARS} characters "
+                         "without NUL bytes")
     d = Path(path)
     cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
+    try:
+        found_files = cfg_file.is_file() and weights.is_file()
+    except OSError as e:  # a name too long for the file system, a loop of links, ...
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    if not found_files:
         raise ValueError(f"{path}: not a PEFT adapter directory (adapter_config.json and "
                          "adapter_model.safetensors)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: adapter_config.json: {e}") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (LORA is)")
-    for key, default in _REFUSED.items():
-        value = cfg.get(key, default)
-        if value not in (default, None, False, {}, []) and value != default:
-            raise ValueError(f"{path}: {key}={value!r} is not supported")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
-        raise ValueError(f"{path}: r must be a positive integer and lora_alpha a number")
-    if r > max_rank:
-        raise ValueError(f"{path}: rank {r} is more than --max-lora-rank ({max_rank})")
-    header = _safetensors_header(weights)
-    found: dict[tuple[int, str], dict[str, list[int]]] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        m = _KEY.match(key)
-        if m is None:
-            raise ValueError(f"{path}: tensor {key[:120]!r} is not supported (only the decoder "
-                             f"layers' {', '.join(MODULES)} adapters are)")
-        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
-        if module not in MODULES:
-            raise ValueError(f"{path}: module {module!r} is not supported")
-        if layer >= dims.num_layers:
-            raise ValueError(f"{path}: layer {layer} is beyond the model's {dims.num_layers}")
-        found.setdefault((layer, module), {})[ab] = list(info.get("shape", ()))
-    if not found:
-        raise ValueError(f"{path}: the adapter holds no LoRA weights")
+    cfg = _read_config(cfg_file)
+    r, scale = _rank_and_scale(cfg, cfg_file, max_rank)
+    found = _lora_shapes(weights, dims)
     for (layer, module), shapes in found.items():
         projection, part = MODULES[module]
         widths = dims.slices(projection)
@@ -127,23 +116,123 @@ def read_adapter(path: str | Path, dims: ModelDims, max_rank: int, name: str = "
             if shapes.get(ab) != want[ab]:
                 raise ValueError(f"{path}: layer {layer} {module} lora_{ab} has shape "
                                  f"{shapes.get(ab)}, the model needs {want[ab]}")
-    scale = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
     modules = tuple(sorted({module for _, module in found}))
-    return AdapterSpec(name, str(d), adapter_id, r, float(scale), modules)
+    return AdapterSpec(name, str(d), adapter_id, r, scale, modules)
 
 
-def _safetensors_header(path: Path) -> dict:
+def _read_config(cfg_file: Path) -> dict:
+    """adapter_config.json: a JSON object of at most MAX_CONFIG_BYTES, asking for plain LoRA."""
+    try:
+        with cfg_file.open("rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"larger than {MAX_CONFIG_BYTES} bytes")
+        cfg = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{cfg_file}: nested too deeply") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"{cfg_file}: peft_type {str(cfg.get('peft_type'))[:64]!r} is not "
+                         "supported (LORA is)")
+    for key, default in _REFUSED.items():
+        value = cfg.get(key, default)
+        if value not in (default, None, False, {}, []) and value != default:
+            raise ValueError(f"{cfg_file}: {key}={str(value)[:64]} is not supported")
+    return cfg
+
+
+def _rank_and_scale(cfg: dict, cfg_file: Path, max_rank: int) -> tuple[int, float]:
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{cfg_file}: r must be a positive integer, got {str(r)[:64]}")
+    if r > max_rank:
+        raise ValueError(f"{cfg_file}: rank {r} is more than --max-lora-rank ({max_rank})")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) \
+            or not math.isfinite(alpha):
+        raise ValueError(f"{cfg_file}: lora_alpha must be a finite number, got "
+                         f"{str(alpha)[:64]}")
+    use_rslora = cfg.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise ValueError(f"{cfg_file}: use_rslora must be true or false")
+    scale = alpha / (math.sqrt(r) if use_rslora else r)
+    if not abs(scale) <= MAX_SCALE:
+        raise ValueError(f"{cfg_file}: lora_alpha {alpha:g} scales the adapter by {scale:g}; "
+                         f"at most {MAX_SCALE:g} is taken")
+    return r, float(scale)
+
+
+def _lora_shapes(weights: Path, dims: ModelDims) -> dict[tuple[int, str], dict[str, list[int]]]:
+    """(layer, module) -> {"A": shape, "B": shape} from the header, every entry checked."""
+    header, data_bytes = _safetensors_header(weights)
+    found: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"{weights}: tensor {key[:120]!r} is not supported (only the "
+                             f"decoder layers' {', '.join(MODULES)} adapters are)")
+        layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
+        if module not in MODULES:
+            raise ValueError(f"{weights}: tensor {key}: module {module!r} is not supported")
+        if layer >= dims.num_layers:
+            raise ValueError(f"{weights}: tensor {key}: layer {layer} is beyond the model's "
+                             f"{dims.num_layers}")
+        found.setdefault((layer, module), {})[ab] = _entry_shape(weights, key, info, data_bytes)
+    if not found:
+        raise ValueError(f"{weights}: the adapter holds no LoRA weights")
+    return found
+
+
+def _entry_shape(weights: Path, key: str, info: object, data_bytes: int) -> list[int]:
+    """A header entry's shape, once its dtype, shape and offsets agree with each other and
+    with the file (a tensor that cannot be read whole is refused here, not at first use)."""
+    if not isinstance(info, dict):
+        raise ValueError(f"{weights}: tensor {key}: the header entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{weights}: tensor {key}: dtype {str(dtype)[:32]} is not a float "
+                         f"type ({', '.join(_DTYPES)})")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 < n < 1 << 31 for n in shape)):
+        raise ValueError(f"{weights}: tensor {key}: shape {str(shape)[:64]} is not two "
+                         "positive sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        raise ValueError(f"{weights}: tensor {key}: data_offsets {str(offsets)[:64]} are not "
+                         f"within the file's {data_bytes} bytes of data")
+    if offsets[1] - offsets[0] != shape[0] * shape[1] * _DTYPES[dtype]:
+        raise ValueError(f"{weights}: tensor {key}: data_offsets span {offsets[1] - offsets[0]}"
+                         f" bytes, its shape and dtype {shape[0] * shape[1] * _DTYPES[dtype]}")
+    return shape
+
+
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    """(the header, the bytes of data after it)."""
     try:
         with path.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")
-            if not 0 < size < 100 << 20:
+            if not 0 < size <= MAX_HEADER_BYTES:
                 raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
+            data_bytes = path.stat().st_size - 8 - size
+    except RecursionError:
+        raise ValueError(f"{path}: not a safetensors file: its header is nested too "
+                         "deeply") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a safetensors file: {e}") from None
-    if not isinstance(header, dict):
+    if not isinstance(header, dict) or data_bytes < 0:
         raise ValueError(f"{path}: not a safetensors file")
-    return header
+    ends = [info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"
+            and isinstance(info, dict) and isinstance(info.get("data_offsets"), list)
+            and len(info["data_offsets"]) == 2 and isinstance(info["data_offsets"][1], int)]
+    if ends and max(ends) < data_bytes:  # (a sparse file of gigabytes behind a small header)
+        raise ValueError(f"{path}: {data_bytes - max(ends)} bytes after the last tensor's data")
+    return header, data_bytes
 
 
 class AdapterRegistry:
@@ -151,9 +240,13 @@ class AdapterRegistry:
     requests using each (an unload waits for them); the batcher's slots take paths from it.
     Lives on the event loop: one owner, no locks."""
 
-    def __init__(self, base_model: str, dims: ModelDims, max_rank: int) -> None:
+    def __init__(self, base_model: str, dims: ModelDims, max_rank: int,
+                 reader: Callable[[AdapterSpec], None] | None = None) -> None:
         self.base_model = base_model
         self.dims, self.max_rank = dims, max_rank
+        # The engine's: reads every weight, checks it (finite in the model's dtype) and keeps
+        # it in host memory; ValueError refuses the load (None: header checks only)
+        self._reader = reader
         self._by_name: dict[str, AdapterSpec] = {}
         self._unloading: set[str] = set()
         self.in_use: dict[str, int] = {}  # name -> requests running with it
@@ -186,6 +279,8 @@ class AdapterRegistry:
         if name in self._by_name:
             raise ValueError(f"an adapter named {name!r} is already loaded")
         spec = read_adapter(path, self.dims, self.max_rank, name, next(self._ids))
+        if self._reader is not None:
+            self._reader(spec)
         self._by_name[name] = spec
         return spec
 

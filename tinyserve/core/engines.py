@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tinyserve.config import SpeculativeConfig
-from tinyserve.core.adapters import ModelDims
+from tinyserve.core.adapters import AdapterSpec, ModelDims
 from tinyserve.messages import StepPlan, StepResult
 
 if TYPE_CHECKING:
@@ -79,6 +79,11 @@ class Engine(Protocol):
     grammars: GrammarCompiler | None  # structured output (None: the tokenizer has no EOS)
 
     def warm_up(self) -> dict: ...
+
+    def read_adapter(self, spec: AdapterSpec) -> None:
+        """Read and check a LoRA adapter's weights whole (ValueError: refused); only called
+        where ``info.max_loras``."""
+        ...
 
 
 class StepFunction:

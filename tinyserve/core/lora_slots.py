@@ -27,10 +27,15 @@ class LoraSlots:
         self._idle: OrderedDict[int, None] = OrderedDict()  # resident, unheld: LRU first
         self._free = list(range(max_loras - 1, -1, -1))
         self._loads: list[LoraLoad] = []  # for the next plan
+        # Adapters whose load into their slot failed: the slot is given up once no running
+        # sequence holds it, and the adapter waits until then (its next load starts afresh)
+        self._broken: set[int] = set()
         self.num_loads = 0  # adapters copied into a slot so far (swaps included)
 
     def acquire(self, adapter_id: int, path: str, scale: float) -> int | None:
         """The adapter's slot, held by one more sequence; None if every slot is held."""
+        if adapter_id in self._broken:
+            return None
         slot = self._slot_of.get(adapter_id)
         if slot is None:
             if self._free:
@@ -54,8 +59,22 @@ class LoraSlots:
             self._holders[adapter_id] = left
             return
         self._holders.pop(adapter_id, None)
-        if adapter_id in self._slot_of:
+        if adapter_id in self._broken:
+            self._broken.discard(adapter_id)
+            self._free.append(self._slot_of.pop(adapter_id))
+        elif adapter_id in self._slot_of:
             self._idle[adapter_id] = None
+
+    def invalidate(self, adapter_id: int) -> None:
+        """Its load failed (the runner emptied the slot): the slot is free once no sequence
+        holds it, and the adapter is loaded anew by the next sequence after that."""
+        if adapter_id not in self._slot_of:
+            return
+        if self._holders.get(adapter_id):
+            self._broken.add(adapter_id)
+            return
+        self._idle.pop(adapter_id, None)
+        self._free.append(self._slot_of.pop(adapter_id))
 
     def forget(self, adapter_id: int) -> None:
         """An unloaded adapter (no holder left): its slot is free again."""
@@ -86,3 +105,4 @@ class LoraSlots:
         assert set(self._idle) | set(self._holders) == set(self._slot_of), (
             self._idle, self._holders, self._slot_of)
         assert not set(self._idle) & set(self._holders)
+        assert self._broken <= set(self._holders), (self._broken, self._holders)

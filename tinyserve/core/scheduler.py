@@ -41,7 +41,7 @@ from tinyserve.core.lora_slots import LoraSlots
 from tinyserve.core.plan_entries import plan_entry, verify_entry
 from tinyserve.core.sequence import SeqStatus, Sequence
 from tinyserve.core.speculation import Speculator
-from tinyserve.messages import FieldError, ScheduledSeq, SeqOutput, StepPlan, StepResult
+from tinyserve.messages import FieldError, ScheduledSeq, SeqFault, SeqOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +307,7 @@ class Scheduler:
         verifies: dict[int, ScheduledSeq] = {}
         updated = []
         prompt_lps = {pl.seq_id: pl for pl in result.prompt_logprobs}
+        faults = {f.seq_id: f for f in result.faults} if result.faults else None
         seqs, running, kv = self.seqs, SeqStatus.RUNNING, self.kv  # (per sequence: kept lean)
         commit = kv.commit if kv.enable_prefix_caching else None
         drop = kv.drop_behind_window if kv.window is not None else None
@@ -318,6 +319,10 @@ class Scheduler:
             seq.num_new = 0
             if result.error is not None:  # the step's KV writes are suspect: end, don't retry
                 self.finish(seq, "error")
+                updated.append(seq)
+                continue
+            if faults is not None and s.seq_id in faults:  # its own fault: nothing counts
+                self._fault(seq, faults[s.seq_id])
                 updated.append(seq)
                 continue
             n = len(s.token_ids)
@@ -359,6 +364,14 @@ class Scheduler:
                 self._apply_draws(seq, out, verifies.get(seq.seq_id))
             updated.append(seq)
         return updated
+
+    def _fault(self, seq: Sequence, fault: SeqFault) -> None:
+        """A fault of its own (engine/running/faults.py) ends it with the error; an adapter
+        that could not be loaded leaves its slot, so the next request on it loads it anew."""
+        seq.error = (fault.reason, fault.message)
+        if fault.reason == "adapter" and seq.adapter is not None and self.lora_slots:
+            self.lora_slots.invalidate(seq.adapter.adapter_id)
+        self.finish(seq, "error")
 
     def _apply_draws(self, seq: Sequence, out: SeqOutput, verify: ScheduledSeq | None) -> None:
         """A step's several tokens for one sequence (a verify's draws), up to a stop; its KV

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tinyserve.config import EngineConfig
-from tinyserve.core.adapters import ModelDims
+from tinyserve.core.adapters import AdapterSpec, ModelDims
 from tinyserve.core.engines import EngineInfo
 from tinyserve.core.kv_manager import min_kv_blocks
 from tinyserve.engine.device import select_device
@@ -81,6 +81,14 @@ class DeviceEngine:
         from tinyserve.engine.running.warmup import warm_up
 
         return warm_up(self.runner)
+
+    def read_adapter(self, spec: AdapterSpec) -> None:
+        """An adapter's weights read whole, each checked finite in the model's dtype, and kept
+        in host memory (ValueError naming the file and tensor: the load is refused). Off the
+        step thread: the server calls it from its load route's worker."""
+        if self.runner.host_adapters is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        self.runner.host_adapters.read(spec.adapter_id, spec.path, spec.scale)
 
     def _kv(self, cfg: EngineConfig, mcfg: Any, dtype: Any, max_model_len: int,
             draft: tuple | None) -> Any:

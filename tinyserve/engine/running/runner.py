@@ -40,6 +40,7 @@ from tinyserve.engine.model.lora import HostAdapters
 from tinyserve.engine.running.block_tables import BlockTables
 from tinyserve.engine.running.buckets import DecodeBuckets, decode_buckets
 from tinyserve.engine.running.draft import DraftProposer
+from tinyserve.engine.running.faults import StepFaults
 from tinyserve.engine.running.logits_processing import LogitsProcessors
 from tinyserve.engine.running.packing import pack_arrays
 from tinyserve.engine.running.staging import DecodeStatics, Readback, stage
@@ -92,6 +93,8 @@ class ModelRunner:
         # them: where the next step's placeholders come from.
         self._prev: tuple[dict[int, int], torch.Tensor | None] = ({}, None)
         self._prev_tokens: torch.Tensor | None = None  # the step before the one launching
+        self._sampling: tuple[torch.Tensor, list[ScheduledSeq]] | None = None
+        self.faults = StepFaults(cfg.vocab_size)  # what a request's own fault ends
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -101,19 +104,40 @@ class ModelRunner:
         """Queue the step on the device (forward, sampling, the tokens' copy to the host) and
         return without waiting for it. A PLACEHOLDER input token is taken on the device from
         the last launched step's sampled tokens; a sequence that step did not sample is left
-        out (the batcher has ended it)."""
+        out (the batcher has ended it).
+
+        A request's own fault fails only that request (faults.py): a sequence whose adapter
+        could not be loaded is left out; if the step raises, the sequences it can blame
+        (out-of-range ids, parameters that overflow, non-finite logits) are left out and the
+        step runs once more without them. Only a fault no sequence explains raises."""
         t0 = time.perf_counter()
-        seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
         # Freed rows go back first; every check that can refuse the step runs before the
         # table changes (the host mirror and the device table must not part ways over it).
         self.tables.release(plan.freed)
         self.logits.forget(plan.freed)
-        for load in plan.lora_loads:  # (stream-ordered: a step in flight read the slot first)
-            self.model.lora.load(load.slot, self.host_adapters.get(
-                load.adapter_id, load.path, load.scale))
-        seqs, holes = self._placeholders(seqs)
+        faults = self.faults.start(plan, self.model.lora, self.host_adapters)
+        seqs = sorted(self.faults.runnable(plan.seqs), key=lambda s: len(s.token_ids) != 1)
+        prev = self._prev
+        try:
+            launched = self._launch(plan.step_id, seqs, prev, t0)
+        except Exception as e:
+            blamed = self.faults.blame(seqs, self._sampling)
+            if not blamed:
+                raise
+            log.warning("step %d raised %s: %s; ran again without %d sequence(s) it blamed",
+                        plan.step_id, type(e).__name__, e, len(blamed))
+            faults.update(blamed)
+            launched = self._launch(plan.step_id, [s for s in seqs if s.seq_id not in blamed],
+                                    prev, t0)
+        launched.faults = faults
+        return launched
+
+    def _launch(self, step_id: int, seqs: list[ScheduledSeq],
+                prev: tuple[dict[int, int], torch.Tensor | None], t0: float) -> Launched:
+        seqs, holes = self._placeholders(seqs, prev[0])
         # (this step's once it has sampled; a step that raises leaves none behind)
-        self._prev_tokens, self._prev = self._prev[1], ({}, None)
+        self._prev_tokens, self._prev = prev[1], ({}, None)
+        self._sampling = None
         max_pos = self.model.rope.max_positions
         if seqs and max(s.start_pos + len(s.token_ids) for s in seqs) > max_pos:
             raise ValueError(f"a position is beyond the rotary table ({max_pos})")
@@ -128,7 +152,7 @@ class ModelRunner:
         else:
             self.push_table_updates(updates, statics=False)
             if not seqs:
-                return Launched(plan.step_id, t0)
+                return Launched(step_id, t0)
             if self.draft is not None:
                 seqs = self._with_drafts(seqs, rows)
             batch, sampled = self.pack(seqs, rows, holes)
@@ -137,16 +161,18 @@ class ModelRunner:
         if not bucketed and any(s.prompt_targets for s in seqs):
             prompt_lps = self.logits.prompt_logprobs(logits[len(sampled):], seqs)
             logits = logits[:len(sampled)]
+        self._sampling = (logits, sampled)  # (what a blame after a raise in sampling reads)
         launched = self._sample(logits, sampled, staged=bucketed)
-        launched.step_id, launched.t0, launched.prompt_logprobs = plan.step_id, t0, prompt_lps
+        launched.step_id, launched.t0, launched.prompt_logprobs = step_id, t0, prompt_lps
         return launched
 
     def finish(self, launched: Launched) -> StepResult:
         """Wait for the step's tokens (its one host sync) and shape its result."""
-        outputs = step_outputs(launched, self.logits) if launched.sampled else ()
+        outputs, poisoned = step_outputs(launched, self.logits) if launched.sampled else ((), ())
+        faults = self.faults.ended(launched.faults, poisoned)
         return StepResult(step_id=launched.step_id, outputs=outputs,
                           seconds=time.perf_counter() - launched.t0,
-                          prompt_logprobs=launched.prompt_logprobs)
+                          prompt_logprobs=launched.prompt_logprobs, faults=faults)
 
     def _with_drafts(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[ScheduledSeq]:
         """Verify entries whose drafts the draft model proposes: proposed (the table rows
@@ -161,11 +187,10 @@ class ModelRunner:
             seqs[i] = s
         return seqs
 
-    def _placeholders(self, seqs: list[ScheduledSeq]
+    def _placeholders(self, seqs: list[ScheduledSeq], rows_of: dict[int, int]
                       ) -> tuple[list[ScheduledSeq], dict[int, int]]:
         """(the sequences that can run, {index in them: row in the last step's sampled
         tokens} for those whose last input token is a PLACEHOLDER)."""
-        rows_of, _ = self._prev
         holes: dict[int, int] = {}
         kept = []
         for s in seqs:

@@ -9,7 +9,10 @@ import numpy as np
 
 from tinyserve.engine.running.logits_processing import LogitsProcessors
 from tinyserve.engine.running.staging import Readback
-from tinyserve.messages import PromptLogprobs, ScheduledSeq, SeqOutput
+from tinyserve.messages import PromptLogprobs, ScheduledSeq, SeqFault, SeqOutput
+
+NON_FINITE = ("non_finite", "the model's logits for this request were NaN or infinite (its "
+              "adapter's weights or its inputs overflow); it was ended, nothing else was")
 
 
 @dataclass(slots=True)
@@ -23,15 +26,19 @@ class Launched:
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rows whose grammar failed
     readback: Readback | None = None  # tokens, logprobs, top ids, top logprobs
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    faults: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq id -> (reason, why)
 
     def ready(self) -> bool:
         """Its tokens are on the host (``finish`` will not wait)."""
         return self.readback is None or self.readback.ready
 
 
-def step_outputs(launched: Launched, logits: LogitsProcessors) -> tuple[SeqOutput, ...]:
+def step_outputs(launched: Launched, logits: LogitsProcessors
+                 ) -> tuple[tuple[SeqOutput, ...], tuple[SeqFault, ...]]:
     """A finished step's sampled rows as SeqOutputs (its one host sync: the readback); a
-    verify's rows (packing.verify_rows) become one SeqOutput with its agreeing draws."""
+    verify's rows (packing.verify_rows) become one SeqOutput with its agreeing draws. A
+    sequence whose logits were not finite (its logprob is NaN: the sampling kernel's
+    logsumexp takes every allowed logit) becomes a SeqFault instead; the other rows go on."""
     seqs, masks = launched.sampled, launched.masks
     tokens, logprobs, top_ids, top_lps = launched.readback.wait()
     tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
@@ -40,8 +47,9 @@ def step_outputs(launched: Launched, logits: LogitsProcessors) -> tuple[SeqOutpu
     ends = logits.dead_ends(seqs, masks, launched.failed)
     for i, end in ends.items():
         tokens_l[i] = end if isinstance(end, int) else -1
+    poisoned = _poisoned(seqs, lps_l, ends)
     if masks is not None:  # (a verify's matcher is caught up by its next step's history)
-        plain = [i for i, s in enumerate(seqs) if not s.num_drafts]
+        plain = [i for i, s in enumerate(seqs) if not s.num_drafts and i not in poisoned]
         logits.advance([seqs[i] for i in plain], [tokens_l[i] for i in plain])
     tops = None if top_ids is None else list(zip(top_ids.tolist(), top_lps.tolist(),
                                                  strict=True))
@@ -54,10 +62,14 @@ def step_outputs(launched: Launched, logits: LogitsProcessors) -> tuple[SeqOutpu
             top = tuple(zip(ids[: p.logprobs], lps[: p.logprobs], strict=True))
         return tokens_l[i], lps_l[i], top
 
-    out = []
+    out, faults = [], []
     i = 0
     while i < len(seqs):
         s = seqs[i]
+        if i in poisoned:
+            faults.append(SeqFault(s.seq_id, *NON_FINITE))
+            i += 1 + s.num_drafts
+            continue
         rows = _agreeing(s, tokens_l, ends, i) if s.num_drafts else 1
         end = ends.get(i)
         if rows == 0 or (end is not None and not isinstance(end, int)):
@@ -66,7 +78,23 @@ def step_outputs(launched: Launched, logits: LogitsProcessors) -> tuple[SeqOutpu
             first, *more = (draw(r) for r in range(i, i + rows))
             out.append(SeqOutput(s.seq_id, *first, more=tuple(more)))
         i += 1 + s.num_drafts
-    return tuple(out)
+    return tuple(out), tuple(faults)
+
+
+def _poisoned(seqs: list[ScheduledSeq], logprobs: list[float], ends: dict) -> set[int]:
+    """The first rows of the sequences with a NaN logprob in any of their rows (a row that
+    ended for its constraints aside: everything masked is NaN too)."""
+    bad = [i for i, lp in enumerate(logprobs) if lp != lp and i not in ends]
+    if not bad:
+        return set()
+    first, starts = set(), []
+    i = 0
+    while i < len(seqs):  # (a verify's rows follow its first)
+        starts.append(i)
+        i += 1 + seqs[i].num_drafts
+    for row in bad:
+        first.add(max(j for j in starts if j <= row))
+    return first
 
 
 def _agreeing(s: ScheduledSeq, tokens: list[int], ends: dict, i: int) -> int:
