@@ -13,6 +13,7 @@ fused qkv_proj and gate_up_proj (as attn_qkv, ffn_up).
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -210,3 +211,143 @@ def _tokenizer(w, tokenizer_dir: Path, cfg) -> None:
     w.add_add_bos_token(bool(tc.get("add_bos_token")))
     if tc.get("chat_template"):
         w.add_chat_template(tc["chat_template"])
+
+
+# ---- small files with no transformers model behind them (the fuzzer's seeds) -------------
+
+V = gguf.GGUFValueType
+TINY = dict(D=8, I=16, Hq=2, Hk=1, Dh=4)  # hidden, ffn, query heads, kv heads, head size
+_PIECES = ["▁", *"abcdehilnorstuw", "▁t", "▁th", "▁the", "he", "in", "▁a", "an", "er", "on",
+           "re", "▁w", "or", "ld", "▁wor", "▁world", "ll", "▁he", "▁hell", "▁hello", "st"]
+_GPT2_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e", "Ġ w", "o r",
+                "Ġw or", "l d", "Ġwor ld", "l l", "Ġ h", "Ġh e", "Ġhe ll", "Ġhell o"]
+
+
+def _sentencepiece_vocab(gemma: bool) -> dict[str, tuple]:
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"] if gemma else ["<unk>", "<s>", "</s>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(0, 256, 8)] + ["<tool>"] + _PIECES
+    types = [3] * len(specials) + [6] * 32 + [4] + [1] * len(_PIECES)
+    types[3 if gemma else 0] = 2
+    ids = dict(bos=2, eos=1, unknown=3, padding=0) if gemma else dict(bos=1, eos=2, unknown=0)
+    return {"tokenizer.ggml.model": ("llama", V.STRING),
+            "tokenizer.ggml.tokens": (tokens, V.ARRAY),
+            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+            "tokenizer.ggml.scores": ([0.0] * (len(tokens) - len(_PIECES))
+                                      + [-float(i) for i in range(len(_PIECES))], V.ARRAY),
+            **{f"tokenizer.ggml.{k}_token_id": (i, V.UINT32) for k, i in ids.items()},
+            "tokenizer.ggml.add_bos_token": (True, V.BOOL)}
+
+
+def _gpt2_vocab() -> dict[str, tuple]:
+    alphabet = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(256, 324)]  # (Ġ: 288)
+    merged = ["".join(m.split(" ")) for m in _GPT2_MERGES]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = alphabet + merged + specials
+    return {"tokenizer.ggml.model": ("gpt2", V.STRING),
+            "tokenizer.ggml.pre": ("llama-bpe", V.STRING),
+            "tokenizer.ggml.tokens": (tokens, V.ARRAY),
+            "tokenizer.ggml.token_type": ([1] * (len(tokens) - 3) + [3] * 3, V.ARRAY, V.INT32),
+            "tokenizer.ggml.merges": (_GPT2_MERGES, V.ARRAY),
+            "tokenizer.ggml.bos_token_id": (len(tokens) - 2, V.UINT32),
+            "tokenizer.ggml.eos_token_id": (len(tokens) - 1, V.UINT32),
+            "tokenizer.ggml.eot_token_id": (len(tokens) - 3, V.UINT32),
+            "tokenizer.chat_template": ("{% for m in messages %}{{ m.content }}{% endfor %}",
+                                        V.STRING)}
+
+
+def tiny_metadata(arch: str, tokenizer: str, layers: int) -> dict[str, tuple]:
+    """key -> (value, GGUFValueType[, array item type]) of a tiny model's file."""
+    t = TINY
+    meta = {f"{arch}.{k}": v for k, v in {
+        "block_count": (layers, V.UINT32), "context_length": (64, V.UINT32),
+        "embedding_length": (t["D"], V.UINT32), "feed_forward_length": (t["I"], V.UINT32),
+        "attention.head_count": (t["Hq"], V.UINT32),
+        "attention.head_count_kv": (t["Hk"], V.UINT32),
+        "attention.key_length": (t["Dh"], V.UINT32),
+        "attention.value_length": (t["Dh"], V.UINT32),
+        "rope.freq_base": (10000.0, V.FLOAT32),
+        "rope.dimension_count": (t["Dh"] // 2 if arch == "phi3" else t["Dh"], V.UINT32),
+        "attention.layer_norm_rms_epsilon": (1e-6, V.FLOAT32)}.items()}
+    if arch in ("gemma2", "gemma3", "phi3"):
+        meta[f"{arch}.attention.sliding_window"] = (4, V.UINT32)
+    if arch == "gemma3":
+        meta["gemma3.attention.sliding_window_pattern"] = (
+            [i % 2 == 0 for i in range(layers)], V.ARRAY, V.BOOL)
+    vocab = _gpt2_vocab() if tokenizer == "gpt2" else _sentencepiece_vocab(arch.startswith("gemma"))
+    return {"general.name": ("tiny", V.STRING), **meta, **vocab}
+
+
+def tiny_tensors(arch: str, vocab: int, layers: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The family's tensors, as llama.cpp names them, [rows, row length] F32."""
+    t, g = TINY, np.random.default_rng(seed)
+    D, I, q, kv = t["D"], t["I"], t["Hq"] * t["Dh"], t["Hk"] * t["Dh"]
+    shapes = {"token_embd.weight": (vocab, D), "output_norm.weight": (D,)}
+    if arch == "llama":
+        shapes["output.weight"] = (vocab, D)
+    for i in range(layers):
+        b = f"blk.{i}."
+        layer = {"attn_norm": (D,), "attn_output": (D, q), "ffn_norm": (D,), "ffn_down": (D, I)}
+        if arch == "phi3":
+            layer.update(attn_qkv=(q + 2 * kv, D), ffn_up=(2 * I, D))
+        else:
+            layer.update(attn_q=(q, D), attn_k=(kv, D), attn_v=(kv, D), ffn_gate=(I, D),
+                         ffn_up=(I, D))
+        if arch in ("qwen3", "gemma3"):
+            layer.update(attn_q_norm=(t["Dh"],), attn_k_norm=(t["Dh"],))
+        if arch.startswith("gemma"):
+            layer.update(post_attention_norm=(D,), post_ffw_norm=(D,))
+        shapes.update({f"{b}{n}.weight": s for n, s in layer.items()})
+        if arch == "qwen2":
+            shapes.update({f"{b}attn_{x}.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))})
+    return {n: (g.standard_normal(s) * 0.1).astype(np.float32) for n, s in shapes.items()}
+
+
+def write_tiny(path: Path, arch: str = "llama", tokenizer: str = "sentencepiece",
+               layers: int = 1, meta: dict | None = None) -> Path:
+    """A small valid model file (F32, hidden 8) with a small tokenizer: ``sentencepiece``
+    (scored pieces, merges rebuilt from the scores) or ``gpt2`` (byte-level, with merges).
+    ``meta``: keys over the defaults, key -> (value, type[, item type]); None drops a key."""
+    kv = {**tiny_metadata(arch, tokenizer, layers), **(meta or {})}
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, spec in kv.items():
+        if spec is not None:
+            w.add_key_value(key, *spec)
+    vocab = len(kv["tokenizer.ggml.tokens"][0])
+    for name, values in tiny_tensors(arch, vocab, layers).items():
+        w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- raw bytes, for files no writer writes ------------------------------------------------
+
+def gstr(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def kv(key: str, vtype: int, payload: bytes) -> bytes:
+    """One metadata entry: ``payload`` is the value's bytes as the file holds them."""
+    return gstr(key) + struct.pack("<I", vtype) + payload
+
+
+def array(item: int, count: int, items: bytes) -> bytes:
+    return struct.pack("<IQ", item, count) + items
+
+
+def tensor_info(name: str, dims: list[int], ggml_type: int = 0, offset: int = 0) -> bytes:
+    return gstr(name) + struct.pack("<I", len(dims)) + b"".join(
+        struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ggml_type, offset)
+
+
+def raw_file(path: Path, kvs: list[bytes], tensors: list[bytes] = (), data: bytes = b"",
+             counts: tuple[int, int] | None = None) -> Path:
+    """A GGUF v3 file of these entries (``counts``: the header's tensor and key counts, if
+    they are to lie), the data at 32 bytes after them."""
+    n_tensors, n_kv = counts or (len(tensors), len(kvs))
+    head = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + b"".join(kvs) + b"".join(tensors)
+    path.write_bytes(head + bytes(-len(head) % 32) + data)
+    return path

@@ -292,7 +292,7 @@ def test_a_quantized_lm_head_is_refused_not_replaced_by_the_embedding(float_chec
 # qkv_proj and gate_up_proj whole; Gemma 2 adds sandwich norms and soft-caps around them.
 FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", {}, LINEARS),
-    "phi3": ("Phi3ForCausalLM", dict(pad_token_id=0), (  # (its default pad id is 32000)
+    "phi3": ("Phi3ForCausalLM", dict(pad_token_id=0, eos_token_id=2), (  # (its defaults: 32000)
         "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")),
     "gemma2": ("Gemma2ForCausalLM", dict(query_pre_attn_scalar=32, sliding_window=8,
                                          attn_logit_softcapping=20.0,

@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from tinyserve.formats.gguf import GGUFError, GGUFFile
+from tinyserve.formats.gguf import GGUFError, GGUFFile, show
 
 CONTROL, USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -34,35 +34,64 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"),
                           _LLAMA3_SPLIT),
           **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT)}
+# Rebuilding merges from scores: a split tried costs the token's length in characters sliced
+# plus MERGE_COST (Python's own work, ~0.5 us); a merge found holds ~150 bytes. NOTE: SmolLM2's
+# 49k tokens, were they scored, cost 12M (283k splits; 107k merges; 0.4 s); Gemma 3's 262k,
+# longer, about 7x that: the limits leave it ~3x room. The worst a crafted vocabulary does (1M
+# tokens of 16 characters, every split tried) reaches MERGE_WORK in 5.6M splits: 4.3 s, on 2
+# cores shared with another job
+MERGE_WORK, MERGE_COST, MAX_MERGES = 1 << 28, 32, 1 << 21
 
 
 def gguf_tokenizer(path: str | Path) -> tuple[HFTokenizer, dict[str, Any]]:
     """(the tokenizer, tokenizer_config.json's keys) of a GGUF model."""
     f = GGUFFile(path)
-    meta = f.metadata
-    tokens = meta.get("tokenizer.ggml.tokens")
+    tokens = f.items("tokenizer.ggml.tokens", str)
     if not tokens:
         raise GGUFError(f"{f.path}: no tokenizer.ggml.tokens: the file carries no tokenizer")
-    kind = meta.get("tokenizer.ggml.model")
-    types = meta.get("tokenizer.ggml.token_type") or []
+    kind = f.get("tokenizer.ggml.model", str)
+    types = f.items("tokenizer.ggml.token_type", int) or []
+    ids = f.special_ids(len(tokens))
     if kind == "gpt2":
-        tok = _byte_level(tokens, meta.get("tokenizer.ggml.merges") or [],
-                          meta.get("tokenizer.ggml.pre"))
+        tok = _byte_level(f, tokens, _merge_pairs(f) or [], f.get("tokenizer.ggml.pre", str))
     elif kind == "llama":
-        tok = _sentencepiece(tokens, meta.get("tokenizer.ggml.scores"),
-                             meta.get("tokenizer.ggml.merges"), f.architecture)
+        tok = _sentencepiece(f, tokens, f.items("tokenizer.ggml.scores", (int, float)),
+                             _merge_pairs(f))
     else:
-        raise GGUFError(f"{f.path}: tokenizer.ggml.model {kind!r} is not supported (gpt2, llama)")
+        raise GGUFError(f"{f.path}: tokenizer.ggml.model {show(kind)} is not supported "
+                        "(gpt2, llama)")
     _add_special(tok, tokens, types, byte_level=kind == "gpt2")
-    cfg: dict[str, Any] = {"chat_template": meta.get("tokenizer.chat_template")}
+    cfg: dict[str, Any] = {"chat_template": f.get("tokenizer.chat_template", str)}
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
                       ("pad_token", "padding")):
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if i is not None and 0 <= i < len(tokens):
-            cfg[name] = tokens[i]
+        if key in ids:
+            cfg[name] = tokens[ids[key]]
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
-    cfg["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    cfg["add_bos_token"] = bool(f.get("tokenizer.ggml.add_bos_token", (bool, int),
+                                      kind == "llama"))
     return tok, cfg
+
+
+def _merge_pairs(f: GGUFFile) -> list[tuple[str, str]] | None:
+    """tokenizer.ggml.merges ("left right" each) as pairs; None if the file has none."""
+    merges = f.items("tokenizer.ggml.merges", str)
+    if not merges:
+        return None
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bad = next((i for i, p in enumerate(pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise GGUFError(f"{f.path}: tokenizer.ggml.merges[{bad}] is {show(merges[bad])}, not "
+                        "two tokens joined by a space")
+    return pairs
+
+
+def _bpe(f: GGUFFile, vocab: dict[str, int], merges: list[tuple[str, str]],
+         **options: Any) -> HFTokenizer:
+    """The BPE model; what tokenizers refuses (a merge of unknown tokens) is the file's."""
+    try:
+        return HFTokenizer(BPE(vocab=vocab, merges=merges, dropout=None, **options))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise GGUFError(f"{f.path}: tokenizer.ggml.merges: {str(e)[:200]}") from e
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -79,14 +108,14 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> HFTokenizer:
+def _byte_level(f: GGUFFile, tokens: list[str], pairs: list[tuple[str, str]],
+                pre: str | None) -> HFTokenizer:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-                          end_of_word_suffix="", fuse_unk=False))
+    tok = _bpe(f, vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="",
+               fuse_unk=False)
     split = SPLITS.get(pre or "")
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -98,22 +127,25 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> HFToke
     return tok
 
 
-def _sentencepiece(tokens: list[str], scores: list[float] | None, merges: list[str] | None,
-                   arch: str) -> HFTokenizer:
-    if arch in ("gemma", "gemma2", "gemma3"):
+def _sentencepiece(f: GGUFFile, tokens: list[str], scores: list[float] | None,
+                   merges: list[tuple[str, str]] | None) -> HFTokenizer:
+    arch = f.architecture
+    gemma = arch in ("gemma", "gemma2", "gemma3")
+    if gemma:
         # Gemma stores a token of spaces as real spaces where its tokenizer looks up "▁"s, and
         # its merges follow the order of the vocabulary, not the scores
         tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
         ranks = {t: -i for i, t in enumerate(tokens)}
     elif scores is None and not merges:
-        raise GGUFError("a SentencePiece vocabulary without tokenizer.ggml.scores or merges")
+        raise GGUFError(f"{f.path}: a SentencePiece vocabulary without tokenizer.ggml.scores "
+                        "or merges")
     else:
         ranks = dict(zip(tokens, scores or (), strict=False))
     vocab = {t: i for i, t in enumerate(tokens)}
-    gemma = arch in ("gemma", "gemma2", "gemma3")
-    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else _merges(vocab, ranks)
-    tok = HFTokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True,
-                          byte_fallback=True, dropout=None, unk_token="<unk>" if gemma else None))
+    pairs = merges or _merges(tokens, vocab, ranks, f.path)
+    # (an unk token the vocabulary lacks would fail every encode that needs it)
+    tok = _bpe(f, vocab, pairs, fuse_unk=True, byte_fallback=True,
+               unk_token="<unk>" if gemma and "<unk>" in vocab else None)
     if gemma:  # spaces -> "▁", no prefix, pieces end after each "▁"
         tok.normalizer = normalizers.Replace(" ", "▁")
         tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
@@ -131,15 +163,29 @@ def _sentencepiece(tokens: list[str], scores: list[float] | None, merges: list[s
     return tok
 
 
-def _merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+def _merges(tokens: list[str], vocab: dict[str, int], ranks: dict[str, float],
+            path: Path) -> list[tuple[str, str]]:
     """The merges a scored vocabulary implies: every split of a token into two tokens, best
-    scored first (ties: the longer left piece, then the longer right one, first)."""
-    found = []
+    scored first (ties: the longer left piece, then the longer right one, first).
+
+    A split is tried only where both pieces' lengths are lengths of tokens (every split of
+    every token is quadratic in a token's length: a token of 1M characters took minutes); the
+    work is bounded by MERGE_WORK and the merges by MAX_MERGES, each holding the vocabulary's
+    own strings (not slices: a merge costs the same whatever its length)."""
+    lengths = {len(t) for t in vocab}
+    found, work = [], 0
     for token, rank in ranks.items():
-        local = [(token[:i], token[i:], rank) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        found.extend(local)
+        n = len(token)
+        cuts = [i for i in range(1, n) if i in lengths and n - i in lengths]
+        work += len(cuts) * (n + MERGE_COST)  # (checked before slicing)
+        if work > MERGE_WORK or len(found) > MAX_MERGES:
+            raise GGUFError(f"{path}: tokenizer.ggml.tokens: rebuilding the merges from the "
+                            f"scores takes more than {MERGE_WORK} units of work or "
+                            f"{MAX_MERGES} merges (tinyserve's limits; real vocabularies take "
+                            "under 100M and 1M)")
+        ids = sorted((a, b) for i in cuts if (a := vocab.get(token[:i])) is not None
+                     and (b := vocab.get(token[i:])) is not None)
+        found.extend((tokens[a], tokens[b], rank) for a, b in ids)
     found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in found]
 

@@ -248,7 +248,21 @@ def model_config_from(raw: dict[str, Any], gen: dict[str, Any], path: Path) -> M
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from e
     _check(cfg, path)
+    _check_token_ids(raw, gen, cfg.vocab_size, path)
     return cfg
+
+
+def _check_token_ids(raw: dict[str, Any], gen: dict[str, Any], vocab: int, path: Path) -> None:
+    """bos / eos ids from config.json and generation_config.json, range-checked where they
+    enter: an id past the vocabulary would fault every step that masks it."""
+    gen_path = path.with_name("generation_config.json") if path.name == "config.json" else path
+    for source, where in ((raw, path), (gen, gen_path)):
+        for key in ("bos_token_id", "eos_token_id"):
+            value = source.get(key)
+            for i in value if isinstance(value, list) else [value]:
+                if i is not None and (type(i) is not int or not 0 <= i < vocab):
+                    raise ModelLoadError(f"{where}: {key} {str(i)[:40]} is not a token id of "
+                                         f"the vocabulary (vocab_size {vocab})")
 
 
 def _parse(raw: dict[str, Any], arch: str, family: str, gen: dict[str, Any]) -> ModelConfig:
