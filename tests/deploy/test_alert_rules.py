@@ -37,7 +37,7 @@ COUNTERS = {"prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefi
             "prompt_tokens_computed", "num_preemptions", "request_success", "request_errors",
             "request_goodput", "admission_rejections", "fallback_requests",
             "metrics_events_dropped", "api_requests",
-            "constraint_failures"}  # exported with _total
+            "constraint_failures", "request_faults", "failed_steps"}  # exported with _total
 LORA_COUNTERS = {"lora_requests", "lora_loads"}
 SPEC_COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens",  # with speculation
                  "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"}
