@@ -19,6 +19,8 @@ from tinyserve.kernels.group_matmul import int4_matmul, int8_group_matmul  # noq
 from tinyserve.kernels.int4_pack import quantize_int4  # noqa: E402
 from tinyserve.kernels.kv_cache import update_block_table, write_kv_cache  # noqa: E402
 from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
+from tinyserve.kernels.moe import fused_moe, moe_combine, moe_down, moe_gate_up  # noqa: E402
+from tinyserve.kernels.moe_routing import moe_align, moe_route  # noqa: E402
 from tinyserve.kernels.penalties import apply_penalties  # noqa: E402
 from tinyserve.kernels.rmsnorm import add_rmsnorm  # noqa: E402
 from tinyserve.kernels.rotary import apply_rotary, rotary_and_write_kv  # noqa: E402
@@ -29,11 +31,17 @@ __all__ = [
     "apply_penalties",
     "apply_rotary",
     "context_attention_paged",
+    "fused_moe",
     "gather_rows",
     "int4_matmul",
     "int8_group_matmul",
     "int8_matmul",
     "matmul",
+    "moe_align",
+    "moe_combine",
+    "moe_down",
+    "moe_gate_up",
+    "moe_route",
     "quantize_int4",
     "rotary_and_write_kv",
     "sample",
