@@ -128,7 +128,10 @@ class DeviceEngine:
         # Leave room for one step's activations: per batched token a few hidden-size buffers,
         # the fused qkv and gate/up outputs; per sequence a row of fp32 logits.
         per_token = (6 * mcfg.hidden_size + 3 * mcfg.intermediate_size
-                     + (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim) * itemsize
+                     + (mcfg.num_heads + 2 * mcfg.num_kv_heads) * mcfg.head_dim
+                     # (a sparse layer: each of the k experts' rows of h and y)
+                     + mcfg.experts_per_token * (mcfg.moe_intermediate_size + mcfg.hidden_size)
+                     ) * itemsize
         activations = cfg.max_num_batched_tokens * per_token + cfg.max_num_seqs * mcfg.vocab_size * 4
         # ... and the decode buckets' split-KV partials (fp32 out + lse per head and split),
         # pooled for the process's life: each split class (1, 2, 4, ... S splits) keeps its
@@ -210,6 +213,11 @@ def _adapters(cfg: EngineConfig, mcfg: Any, dtype: Any, device: str) -> tuple | 
     """(device slots, host cache, the dimensions an adapter must fit), or None."""
     if not cfg.max_loras:
         return None
+    if mcfg.num_experts:
+        from tinyserve.engine.loading.model_config import ModelLoadError
+
+        raise ModelLoadError(f"{cfg.model}: LoRA adapters on a mixture-of-experts model "
+                             "(--enable-lora) are not supported yet")
     from tinyserve.engine.model.lora import HostAdapters, LoraStacks
 
     dims = ModelDims(mcfg.num_layers, mcfg.hidden_size, mcfg.num_heads * mcfg.head_dim,

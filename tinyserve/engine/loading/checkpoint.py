@@ -33,7 +33,13 @@ from tinyserve.engine.loading.quantized_checkpoints import (
     repack,
     tensor_shapes,
 )
-from tinyserve.engine.model.weights import Int4Linear, LayerWeights, Linear, ModelWeights
+from tinyserve.engine.model.weights import (
+    ExpertWeights,
+    Int4Linear,
+    LayerWeights,
+    Linear,
+    ModelWeights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +115,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if fmt is not None and quantization is not None:
         raise ModelLoadError(f"{model_dir}: already quantized ({fmt.method}, 4-bit); serve it "
                              f"without quantization={quantization!r}")
+    if cfg.num_experts and (fmt is not None or quantization is not None):
+        raise ModelLoadError(f"{model_dir}: quantized experts are not supported yet "
+                             f"({fmt.method if fmt else quantization}); serve the float weights")
     reader = _TensorReader(_weight_files(Path(model_dir)))
     layers = _Layers(reader, cfg, fmt, quantization, dtype, device)
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -176,17 +185,41 @@ class _Layers:
                         for x, n in (("q", q_out), ("k", kv_out), ("v", kv_out)))
             gate_up = ((p + "mlp.gate_proj", I), (p + "mlp.up_proj", I))
         sandwich = cfg.sandwich_norms
+        sparse = cfg.is_sparse(i)
         return LayerWeights(
             input_norm=self.dense(p + "input_layernorm.weight", (D,)),
             qkv=self.linear(D, qkv, cfg.qkv_bias),
             o=self.linear(q_out, ((p + "self_attn.o_proj", D),), cfg.o_bias),
             post_norm=self.dense(p + "post_attention_layernorm.weight", (D,)),
-            gate_up=self.linear(D, gate_up, cfg.mlp_bias),
-            down=self.linear(I, ((p + "mlp.down_proj", D),), cfg.mlp_bias),
+            gate_up=None if sparse else self.linear(D, gate_up, cfg.mlp_bias),
+            down=None if sparse else self.linear(I, ((p + "mlp.down_proj", D),), cfg.mlp_bias),
+            experts=self.experts(p) if sparse else None,
             pre_ffn_norm=self.dense(p + "pre_feedforward_layernorm.weight", (D,)) if sandwich else None,
             post_ffn_norm=self.dense(p + "post_feedforward_layernorm.weight", (D,)) if sandwich else None,
             q_norm=self.dense(p + "self_attn.q_norm.weight", (Dh,)) if cfg.qk_norm else None,
             k_norm=self.dense(p + "self_attn.k_norm.weight", (Dh,)) if cfg.qk_norm else None)
+
+
+    def experts(self, p: str) -> ExpertWeights:
+        """A sparse layer's router and experts: stacked (transformers 5's gate_up_proj [E, 2F,
+        D] and down_proj [E, D, F]) or one module per expert (Qwen's gate/up/down_proj,
+        Mixtral's w1 (gate) / w3 (up) / w2 (down) under block_sparse_moe)."""
+        cfg, files = self.cfg, self.reader.files
+        E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        moe = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in files else "mlp.")
+        router = Linear(self.dense(moe + "gate.weight", (E, D)))
+        if moe + "experts.gate_up_proj" in files:
+            w13 = self.dense(moe + "experts.gate_up_proj", (E, 2 * F, D))
+            w2 = self.dense(moe + "experts.down_proj", (E, D, F))
+            return ExpertWeights(router, w13, w2)
+        names = ("w1", "w3", "w2") if moe.endswith("block_sparse_moe.") else \
+            ("gate_proj", "up_proj", "down_proj")
+        gate, up, down = (f"{moe}experts.{{}}.{n}.weight" for n in names)
+        w13 = torch.stack([torch.cat([self.reader.get(gate.format(e), (F, D)),
+                                      self.reader.get(up.format(e), (F, D))]) for e in range(E)])
+        w2 = torch.stack([self.reader.get(down.format(e), (D, F)) for e in range(E)])
+        return ExpertWeights(router, w13.to(device=self.device, dtype=self.dtype).contiguous(),
+                             w2.to(device=self.device, dtype=self.dtype).contiguous())
 
 
 def _checkpoint_int4(reader: _TensorReader, fmt: QuantFormat, parts: tuple[tuple[str, int], ...],

@@ -12,6 +12,11 @@ pass, as a row of switches. Llama is the plain row; each family sets the switche
     Gemma 3 (text)             Gemma 2 + (1 + w) q/k norm; local:global layers by layer_types;
                                local layers' own rope (rope_local_base_freq / sliding_attention)
     Phi-3 / 3.5 / Phi-4-mini   fused qkv_proj and gate_up_proj; partial rotary; LongRoPE; window
+    Mixtral                    Mistral's attention; every feed-forward sparse: num_local_experts,
+                               top num_experts_per_tok of a softmax, renormalised
+    Qwen3-MoE                  Qwen3's attention; sparse feed-forwards of moe_intermediate_size
+                               (norm_topk_prob), dense ones on mlp_only_layers and off
+                               decoder_sparse_step
 
 The loaders map each family's weight names onto the same layer (checkpoint.py,
 gguf_weights.py). A config key that changes the computation and is not honoured is refused by
@@ -32,8 +37,13 @@ FAMILIES = {  # architecture -> model_type
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
+    "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# MoE config keys whose other values this forward pass does not compute (refused by name)
+_MOE_REFUSED = {"n_group": (None, 1), "topk_group": (None, 1), "num_shared_experts": (None, 0),
+                "shared_expert_intermediate_size": (None, 0), "router_jitter_noise": (None, 0.0),
+                "moe_layer_freq": (None, 1), "first_k_dense_replace": (None, 0)}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope",
               "freq_factors")  # (the last: GGUF's rope_freqs, never a config.json key)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -80,6 +90,16 @@ class ModelConfig:
     # Gemma 3: the sliding layers' own rope (None: the same as every layer's)
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = field(default=None)
+    # mixture of experts (engine/model/moe.py): 0 experts is a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_softmax_first: bool = True  # softmax over all experts, then the top k (else: top k,
+    moe_renormalize: bool = False   # then a softmax over them); the k weights summed to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense feed-forward in a sparse model
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window(self, layer: int) -> int | None:
         """The layer's sliding window, or None (full attention)."""
@@ -131,10 +151,11 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
     given = raw.get("layer_types")
     if family == "llama":  # transformers' Llama has no window, whatever the config says
         return ()
-    if given and not (family in ("qwen2", "qwen3") and not raw.get("use_sliding_window")):
+    qwen = family in ("qwen2", "qwen3", "qwen3_moe")
+    if given and not (qwen and not raw.get("use_sliding_window")):
         return tuple(given)
     window = raw.get("sliding_window")
-    if family in ("qwen2", "qwen3"):  # (no window unless use_sliding_window, whatever else)
+    if qwen:  # (no window unless use_sliding_window, whatever else)
         if not raw.get("use_sliding_window") or window is None:
             return ()
         first = int(raw.get("max_window_layers", 28))
@@ -160,7 +181,8 @@ def _switches(raw: dict[str, Any], family: str, head_dim: int, hidden: int) -> d
         raise ValueError(f"hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
     out = dict(
         qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=bool(raw.get("mlp_bias")),
-        qk_norm=family in ("qwen3", "gemma3_text"), norm_unit_offset=gemma, sandwich_norms=gemma,
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), norm_unit_offset=gemma,
+        sandwich_norms=gemma,
         activation="gelu_tanh" if act in GELU_TANH else "silu",
         fused_checkpoint=family == "phi3")
     if gemma:
@@ -196,6 +218,10 @@ def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
     if raw.get("layer_types") and set(raw["layer_types"]) - {"full_attention", "sliding_attention"}:
         raise ModelLoadError(f"{path}: layer_types {sorted(set(raw['layer_types']))} are not "
                              "supported (full_attention, sliding_attention)")
+    for key, allowed in _MOE_REFUSED.items():
+        if raw.get(key) not in allowed:
+            raise ModelLoadError(f"{path}: {key}={raw[key]!r} is not supported (the sparse "
+                                 "feed-forward here: routed experts, no groups or shared ones)")
     if (raw.get("quantization_config") or {}).get("modules_to_not_convert"):
         raise ModelLoadError(f"{path}: quantization_config.modules_to_not_convert is not supported")
 
@@ -296,7 +322,28 @@ def _parse(raw: dict[str, Any], arch: str, family: str, gen: dict[str, Any]) -> 
         rotary_dim=None if partial == 1.0 else int(head_dim * partial),
         sliding_window=raw.get("sliding_window") if layer_types else None,
         layer_types=layer_types, local_rope_theta=local_theta, local_rope_scaling=local_scaling,
-        **_switches(raw, family, head_dim, hidden))
+        **_switches(raw, family, head_dim, hidden), **_experts(raw, family, num_layers))
+
+
+def _experts(raw: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """The sparse feed-forward's switches (none for a dense family)."""
+    if family == "mixtral":
+        return dict(num_experts=int(raw.get("num_local_experts", 8)),
+                    experts_per_token=int(raw.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(raw["intermediate_size"]), moe_renormalize=True)
+    if family == "qwen3_moe":
+        step = int(raw.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+        # (transformers 5 writes num_local_experts, older configs num_experts)
+        experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))
+        dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+        dense |= {i for i in range(num_layers) if experts == 0 or (i + 1) % step}
+        return dict(num_experts=experts, experts_per_token=int(raw.get("num_experts_per_tok", 8)),
+                    moe_intermediate_size=int(raw.get("moe_intermediate_size", 768)),
+                    moe_renormalize=bool(raw.get("norm_topk_prob", False)),
+                    dense_layers=tuple(sorted(dense)))
+    return {}
 
 
 def _check(cfg: ModelConfig, path: Path) -> None:
@@ -310,6 +357,10 @@ def _check(cfg: ModelConfig, path: Path) -> None:
     if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
         raise ModelLoadError(f"{path}: layer_types has {len(cfg.layer_types)} entries for "
                              f"{cfg.num_layers} layers")
+    if cfg.num_experts and not (1 <= cfg.experts_per_token <= min(cfg.num_experts, 16)
+                                and cfg.num_experts <= 256 and cfg.moe_intermediate_size > 0):
+        raise ModelLoadError(f"{path}: {cfg.num_experts} experts, top {cfg.experts_per_token}: "
+                             "1 to 256 experts and a top k of 1 to 16 are supported")
     if cfg.layer_types and "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
         raise ModelLoadError(f"{path}: sliding layers need a sliding_window")
     for scaling in (cfg.rope_scaling, cfg.local_rope_scaling):

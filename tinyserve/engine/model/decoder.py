@@ -5,8 +5,8 @@ torch only allocates and views here: ``torch.empty`` for outputs, slicing/``view
 q/k/v parts of the fused projection (tests/engine/test_no_torch_compute.py holds us to it).
 
 A layer is a mixer and a feed-forward between norms; each layer's are picked by the config
-(today every mixer is attention.py's and every feed-forward mlp.py's; a new kind - MoE, linear
-attention - is a new class and a line in ``_mixer`` / ``_feed_forward``):
+(every mixer is attention.py's; a feed-forward is mlp.py's dense one or moe.py's sparse one; a
+new kind - linear attention - is a new class and a line in ``_mixer`` / ``_feed_forward``):
 
     x = norm(h + residual)                 (Gemma: x (1 + w), fp32)
     a = mixer(x)                           (attention.py)
@@ -31,6 +31,7 @@ from tinyserve.engine.model.kv_cache import KVCache, LayerKV
 from tinyserve.engine.model.linear import Projector, linear
 from tinyserve.engine.model.lora import LoraStacks
 from tinyserve.engine.model.mlp import DenseMLP
+from tinyserve.engine.model.moe import SparseMoE
 from tinyserve.engine.model.rope import RopeTables
 from tinyserve.engine.model.weights import LayerWeights, ModelWeights
 from tinyserve.kernels import add_rmsnorm, gather_rows
@@ -91,6 +92,8 @@ class DecoderModel:
         return Attention(self.cfg, i, w, self.rope, project)
 
     def _feed_forward(self, i: int, w: LayerWeights, project: Projector) -> FeedForward:
+        if w.experts is not None:
+            return SparseMoE(self.cfg, w.experts)
         return DenseMLP(self.cfg, w, project)
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None

@@ -77,17 +77,31 @@ AnyLinear = Linear | Int4Linear | Int8GroupLinear
 
 
 @dataclass(slots=True)
+class ExpertWeights:
+    """A sparse feed-forward (kernels/moe.py's layout): the router and every expert stacked."""
+
+    router: Linear  # [E, D] float
+    w13: torch.Tensor  # [E, 2F, D]: each expert's gate rows, then its up rows
+    w2: torch.Tensor  # [E, D, F]
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.router.weight, self.w13, self.w2)
+
+
+@dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
     qkv: AnyLinear  # [(Hq + 2 Hk) * Dh, D]
     o: AnyLinear  # [D, Hq * Dh]
     post_norm: torch.Tensor  # [D]: before the MLP; with sandwich norms, after attention
-    gate_up: AnyLinear  # [2I, D]
-    down: AnyLinear  # [D, I]
+    gate_up: AnyLinear | None  # [2I, D] (None: a sparse layer)
+    down: AnyLinear | None  # [D, I]
     pre_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
     post_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
     q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None  # [Dh]
+    experts: ExpertWeights | None = None  # a sparse feed-forward instead of gate_up / down
 
     @property
     def norms(self) -> tuple[torch.Tensor | None, ...]:
@@ -114,5 +128,8 @@ class ModelWeights:
             total += lin_bytes(self.lm_head)
         for layer in self.layers:
             total += _bytes(*layer.norms)
-            total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                         if x is not None)
+            if layer.experts is not None:
+                total += layer.experts.nbytes
         return total

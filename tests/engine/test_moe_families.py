@@ -1,0 +1,179 @@
+"""Mixture-of-experts families against transformers, on random-weight checkpoints built here:
+Mixtral and Qwen3-MoE (float weights; kernels/moe.py's fused path). Two configs per family with
+awkward sizes (6, 10 or 60 experts; top 1, 2, 4 or 8; dense layers among sparse ones; GQA; a
+window), compared in fp32 as the dense families are (test_families.py):
+
+- the runner's logits over a chunked prefill and decode steps vs transformers' full-sequence
+  logits, relative L2 < 1e-4 and every logprob within 2e-4;
+- ``LLM.generate``: greedy 32 tokens equal to ``transformers.generate`` with chunked prefill, a
+  prefix-cache hit and a preemption in the same run, logprobs and the top 5 as transformers';
+- batch invariance: a prompt's tokens and logprobs alone equal those inside a batch.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.engine.test_families import check_logprobs, hf_greedy, prompt  # noqa: E402
+from tests.engine.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
+from tinyserve.engine.loading.demo import write_tokenizer  # noqa: E402
+from tinyserve.llm import LLM  # noqa: E402
+from tinyserve.messages import SamplingParams  # noqa: E402
+
+BLOCK = 16
+COMMON = dict(vocab_size=300, num_hidden_layers=2, max_position_embeddings=128,
+              initializer_range=0.15, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+CONFIGS = {
+    # 6 experts, top 2 (renormalised, always, in Mixtral), GQA 2:1, F not a power of two
+    "mixtral_e6_top2": ("MixtralForCausalLM", dict(
+        hidden_size=64, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=6, num_experts_per_tok=2, sliding_window=None)),
+    # 8 experts, top 1 (its weight is 1), a window of 24 on every layer, 3 layers
+    "mixtral_top1_window": ("MixtralForCausalLM", dict(
+        hidden_size=48, intermediate_size=72, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=1, sliding_window=24)),
+    # 60 experts, top 4 not renormalised, a dense layer among sparse ones (mlp_only_layers),
+    # q/k norm, head_dim 16, GQA 3:1
+    "qwen3moe_e60_dense": ("Qwen3MoeForCausalLM", dict(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, num_experts=60, num_experts_per_tok=4,
+        moe_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[1])),
+    # 10 experts, top 8 renormalised, every other layer sparse (decoder_sparse_step 2)
+    "qwen3moe_top8_step2": ("Qwen3MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=80, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=24, num_experts=10, num_experts_per_tok=8, moe_intermediate_size=24,
+        norm_topk_prob=True, decoder_sparse_step=2)),
+}
+
+
+def build(name: str, path):
+    arch, kw = CONFIGS[name]
+    cls = getattr(transformers, arch)
+    cfg = cls.config_class(**{**COMMON, **kw})
+    torch.manual_seed(sum(map(ord, name)))
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms away from their init; routers sharp enough to matter
+        for n, p in hf.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.add_(0.3 * torch.randn_like(p))
+            if n.endswith("gate.weight") or n.endswith("experts.gate_up_proj") \
+                    or n.endswith("experts.down_proj"):
+                p.normal_(0.0, 0.15)
+    hf.save_pretrained(path)
+    write_tokenizer(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, build(request.param, path), path
+
+
+def test_the_config_says_which_layers_are_sparse(family):
+    from tinyserve.engine.loading.model_config import load_model_config
+
+    name, hf, path = family
+    cfg = load_model_config(path)
+    c = hf.config
+    sparse = [cfg.is_sparse(i) for i in range(cfg.num_layers)]
+    if name.startswith("mixtral"):
+        assert sparse == [True] * cfg.num_layers and cfg.moe_renormalize
+        assert (cfg.num_experts, cfg.experts_per_token) == (c.num_local_experts,
+                                                            c.num_experts_per_tok)
+    else:
+        want = [i not in c.mlp_only_layers and (i + 1) % c.decoder_sparse_step == 0
+                for i in range(cfg.num_layers)]
+        assert sparse == want and cfg.moe_renormalize == c.norm_topk_prob and cfg.qk_norm
+        assert (cfg.num_experts, cfg.moe_intermediate_size) == (c.num_experts,
+                                                                c.moe_intermediate_size)
+
+
+def test_logits_match_transformers_over_prefill_and_decode(family):
+    name, hf, path = family
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=BLOCK)
+    ids = prompt(1, 44)
+    n = len(ids) - 3
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    blocks = [7, 2, 9, 4]
+    got = [run_chunk(llm.engine, 0, ids[:20], 0, blocks),
+           run_chunk(llm.engine, 0, ids[:n], 20, blocks)]
+    for pos in range(n, len(ids)):
+        got.append(run_chunk(llm.engine, 0, ids[:pos + 1], pos, blocks))
+    got = torch.cat(got)
+    err = rel_l2(got, ref)
+    assert err < 1e-4, f"{name}: relative L2 {err:.2e}"
+    lp_err = (torch.log_softmax(got.double(), -1) - torch.log_softmax(ref.double(), -1)).abs()
+    assert lp_err.max() < 2e-4, f"{name}: logprob error {lp_err.max():.2e}"
+
+
+def test_greedy_generation_and_logprobs_through_llm(family):
+    """Chunked prefill, a prefix-cache hit and a preemption in one run (test_families.py)."""
+    name, hf, path = family
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=5, block_size=BLOCK, max_model_len=80,
+              max_num_batched_tokens=16, max_num_seqs=3)
+    first = prompt(2, 40)
+    shared = first[:32] + prompt(3, 8)
+    params = SamplingParams(max_tokens=32, temperature=0.0, min_tokens=32, logprobs=5)
+    llm.generate([first], SamplingParams(max_tokens=1))
+    outs = llm.generate([shared, first], params)
+    assert llm.core.scheduler.num_preemptions > 0, "the run was meant to preempt"
+    assert outs[0].num_cached_tokens >= 32, "the shared prefix was meant to hit the cache"
+    for ids, out in zip([shared, first], outs, strict=True):
+        tokens, rows = hf_greedy(hf, ids, 32)
+        assert list(out.token_ids) == tokens, name
+        check_logprobs(name, out.token_ids, out.logprobs, rows, 5)
+
+
+def test_a_prompt_alone_equals_it_in_a_batch_of_sixteen(family):
+    """Bitwise: the experts' tiles, the sort and the combine never mix tokens."""
+    name, hf, path = family
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=BLOCK)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [prompt(10 + i, 5 + 3 * i) for i in range(16)]
+    together = llm.generate(prompts, params)
+    for i in (0, 7, 15):
+        [alone] = llm.generate([prompts[i]], params)
+        assert alone.token_ids == together[i].token_ids, (name, i)
+        assert alone.logprobs == together[i].logprobs, (name, i)
+
+
+def test_stacked_and_per_expert_checkpoints_load_the_same(family, tmp_path):
+    """transformers 5 writes one module per expert; its in-memory layout (and checkpoints
+    saved that way) stacks them: experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F]."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tinyserve.engine.loading.checkpoint import load_weights
+    from tinyserve.engine.loading.model_config import load_model_config
+
+    name, hf, path = family
+    stacked = tmp_path / "stacked"
+    shutil.copytree(path, stacked)
+    tensors = load_file(stacked / "model.safetensors")
+    cfg = load_model_config(path)
+    names = ("w1", "w3", "w2") if name.startswith("mixtral") else \
+        ("gate_proj", "up_proj", "down_proj")
+    for i in range(cfg.num_layers):
+        if not cfg.is_sparse(i):
+            continue
+        moe = f"model.layers.{i}.mlp."
+        if moe + "experts.0.w1.weight" not in tensors and name.startswith("mixtral"):
+            moe = f"model.layers.{i}.block_sparse_moe."
+        per = [[tensors.pop(f"{moe}experts.{e}.{n}.weight") for n in names]
+               for e in range(cfg.num_experts)]
+        tensors[moe + "experts.gate_up_proj"] = torch.stack([torch.cat(p[:2]) for p in per])
+        tensors[moe + "experts.down_proj"] = torch.stack([p[2] for p in per])
+    save_file(tensors, stacked / "model.safetensors")
+    a = load_weights(path, cfg, torch.float32, "cpu")
+    b = load_weights(stacked, cfg, torch.float32, "cpu")
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        assert (la.experts is None) == (lb.experts is None)
+        if la.experts is not None:
+            assert torch.equal(la.experts.w13, lb.experts.w13)
+            assert torch.equal(la.experts.w2, lb.experts.w2)
+            assert torch.equal(la.experts.router.weight, lb.experts.router.weight)

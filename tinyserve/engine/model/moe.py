@@ -1,0 +1,34 @@
+"""The sparse feed-forward (mixture of experts): a router picks each token's top k experts and
+their weights, and the token's output is the weighted sum of those experts' SwiGLU MLPs, all in
+kernels/moe.py (route, sort by expert, two grouped GEMMs over the sorted tiles, a fixed-order
+combine: a token's output never depends on which tokens share its step).
+
+    logits = x Wr^T                          [T, E] (the router, a plain linear)
+    w, ids = route(logits)                   top k: softmax over all then top k (renormalised
+                                             or not), or top k then a softmax over those
+    out[t] = sum_j w[t, j] * down_e(act(gate_e(x) ) * up_e(x)),  e = ids[t, j]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyserve.engine.loading.model_config import ModelConfig
+from tinyserve.engine.model.batch import ForwardBatch
+from tinyserve.engine.model.linear import linear
+from tinyserve.engine.model.weights import ExpertWeights
+from tinyserve.kernels import fused_moe
+
+
+class SparseMoE:
+    def __init__(self, cfg: ModelConfig, experts: ExpertWeights) -> None:
+        self.w, self.top_k = experts, cfg.experts_per_token
+        self.softmax_first, self.renormalize = cfg.moe_softmax_first, cfg.moe_renormalize
+        self.activation = cfg.activation
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, D] -> [T, D]
+        w = self.w
+        logits = linear(x, w.router)  # [T, E]
+        return fused_moe(x, logits, w.w13, w.w2, self.top_k, softmax_first=self.softmax_first,
+                         renormalize=self.renormalize, activation=self.activation)
