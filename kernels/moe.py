@@ -229,8 +229,9 @@ def moe_down(h: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor,
 # ---------------------------------------------------------------------------------- combine
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, out_ptr, T, D, stride_yf, stride_ot,
-                        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _moe_combine_kernel(y_ptr, out_ptr, shared_ptr, gate_ptr, T, D, stride_yf, stride_ot,
+                        stride_st, stride_gt, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
     mask = (offs_t < T)[:, None] & (offs_d < D)[None, :]
@@ -238,12 +239,20 @@ def _moe_combine_kernel(y_ptr, out_ptr, T, D, stride_yf, stride_ot,
     acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, TOP_K):  # j order, no atomics: the same sum in every batch
         acc += tl.load(ptrs + j * stride_yf, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHARED:  # + sigmoid(gate[t]) * shared[t] (Qwen2-MoE's shared expert)
+        g = tl.load(gate_ptr + offs_t * stride_gt, mask=offs_t < T, other=0.0).to(tl.float32)
+        s = tl.load(shared_ptr + offs_t[:, None] * stride_st + offs_d[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        acc += (1.0 / (1.0 + tl.exp(-g)))[:, None] * s
     tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_combine(y: torch.Tensor, top_k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y: [T*k, D] -> out: [T, D] (y's dtype), out[t] = y[t*k] + ... + y[t*k + k-1] in fp32."""
+def moe_combine(y: torch.Tensor, top_k: int, *, out: torch.Tensor | None = None,
+                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """y: [T*k, D] -> out: [T, D] (y's dtype), out[t] = y[t*k] + ... + y[t*k + k-1] in fp32;
+    with ``shared`` [T, D] and ``shared_gate`` [T, 1] (logits), + sigmoid(gate[t]) * shared[t]."""
     check(1 <= top_k <= MAX_TOP_K, f"top_k must be in [1, {MAX_TOP_K}]")
     check(y.dim() == 2 and y.shape[0] % top_k == 0 and y.stride(1) == 1 and y.dtype in FLOATS,
           f"y must be a float [T*{top_k}, D] with unit column stride")
@@ -256,8 +265,15 @@ def moe_combine(y: torch.Tensor, top_k: int, *, out: torch.Tensor | None = None)
         return out
     block_t = min(64, next_pow2(T)) if INTERPRET else 1
     block_d = min(next_pow2(D), 16384 if INTERPRET else 1024)
-    launch(_moe_combine_kernel, (cdiv(T, block_t), cdiv(D, block_d)), y, out, T, D,
-           y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d)
+    has_shared = shared is not None
+    if has_shared:
+        check(shared.shape == (T, D) and shared.stride(1) == 1 and shared_gate is not None
+              and shared_gate.shape == (T, 1), f"shared must be [{T}, {D}] with a [{T}, 1] gate")
+    launch(_moe_combine_kernel, (cdiv(T, block_t), cdiv(D, block_d)), y, out,
+           shared if has_shared else y, shared_gate if has_shared else y, T, D,
+           y.stride(0), out.stride(0), shared.stride(0) if has_shared else 0,
+           shared_gate.stride(0) if has_shared else 0, TOP_K=top_k, HAS_SHARED=has_shared,
+           BLOCK_T=block_t, BLOCK_D=block_d)
     return out
 
 
@@ -265,11 +281,14 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w2: torch.Tensor, top_k: int, *, softmax_first: bool, renormalize: bool,
               activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, swiglu_alpha: float = 1.702,
-              swiglu_limit: float = 7.0, block_m: int | None = None) -> torch.Tensor:
+              swiglu_limit: float = 7.0, block_m: int | None = None,
+              shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """x: [T, D], router_logits: [T, E], w13: [E, 2F, D], w2: [E, D, F] (x's dtype), biases
     [E, 2F] / [E, D] -> out: [T, D] in x's dtype: route, sort, gate/up, down, combine (module
     docstrings). ``block_m``: rows per expert tile, by default ``moe_block_m`` (per model; a
-    caller's choice must not vary with T, or batch invariance goes)."""
+    caller's choice must not vary with T, or batch invariance goes). ``shared`` [T, D] and
+    ``shared_gate`` [T, 1]: a shared expert's output and gate logits, added in the combine."""
     check(router_logits.dim() == 2 and router_logits.shape[0] == x.shape[0]
           and router_logits.shape[1] == w13.shape[0] == w2.shape[0],
           "router_logits must be [T, E] for x's T tokens and the weights' E experts")
@@ -280,4 +299,4 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
     h = moe_gate_up(x, w13, sorted_ids, expert_of_tile, top_k, activation, w13_bias,
                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     y = moe_down(h, w2, sorted_ids, expert_of_tile, weights, w2_bias)
-    return moe_combine(y, top_k)
+    return moe_combine(y, top_k, shared=shared, shared_gate=shared_gate)

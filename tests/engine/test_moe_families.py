@@ -1,7 +1,7 @@
 """Mixture-of-experts families against transformers, on random-weight checkpoints built here:
-Mixtral and Qwen3-MoE (float weights; kernels/moe.py's fused path). Two configs per family with
-awkward sizes (6, 10 or 60 experts; top 1, 2, 4 or 8; dense layers among sparse ones; GQA; a
-window), compared in fp32 as the dense families are (test_families.py):
+Mixtral, Qwen2-MoE and Qwen3-MoE (float weights; kernels/moe.py's fused path). Two configs per
+family with awkward sizes (6, 10 or 60 experts; top 1, 2, 4 or 8; a shared expert; dense layers
+among sparse ones; GQA; windows), compared in fp32 as the dense families are (test_families.py):
 
 - the runner's logits over a chunked prefill and decode steps vs transformers' full-sequence
   logits, relative L2 < 1e-4 and every logprob within 2e-4;
@@ -45,6 +45,17 @@ CONFIGS = {
         hidden_size=64, intermediate_size=80, num_attention_heads=4, num_key_value_heads=4,
         head_dim=24, num_experts=10, num_experts_per_tok=8, moe_intermediate_size=24,
         norm_topk_prob=True, decoder_sparse_step=2)),
+    # a shared expert (its sigmoid gate) beside 6 routed ones, top 2, q/k/v bias
+    "qwen2moe_shared": ("Qwen2MoeForCausalLM", dict(
+        hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+        shared_expert_intermediate_size=56, norm_topk_prob=False)),
+    # 60 experts top 4 renormalised, every other layer sparse, a window from layer 1 on
+    "qwen2moe_step2_window": ("Qwen2MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2,
+        use_sliding_window=True, sliding_window=24, max_window_layers=1)),
 }
 
 
@@ -86,7 +97,9 @@ def test_the_config_says_which_layers_are_sparse(family):
     else:
         want = [i not in c.mlp_only_layers and (i + 1) % c.decoder_sparse_step == 0
                 for i in range(cfg.num_layers)]
-        assert sparse == want and cfg.moe_renormalize == c.norm_topk_prob and cfg.qk_norm
+        assert sparse == want and cfg.moe_renormalize == c.norm_topk_prob
+        assert cfg.qk_norm == name.startswith("qwen3")
+        assert cfg.shared_expert_size == getattr(c, "shared_expert_intermediate_size", 0)
         assert (cfg.num_experts, cfg.moe_intermediate_size) == (c.num_experts,
                                                                 c.moe_intermediate_size)
 

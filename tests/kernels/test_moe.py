@@ -277,3 +277,18 @@ def test_no_tokens(device):
     x, logits, w13, w2, _, _ = make_moe(0, 6, 48, 40, torch.Generator(), device, torch.float32)
     out = fused_moe(x, logits, w13, w2, 2, softmax_first=True, renormalize=True)
     assert out.shape == (0, 48)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+def test_a_shared_expert_is_added_through_its_sigmoid_gate(device, dtype, atol, rtol):
+    """Qwen2-MoE: out = routed + sigmoid(x Wg) * shared(x), the shared expert's output and
+    gate logits given; the combine adds it in fp32 after the k routed rows."""
+    g = torch.Generator().manual_seed(11)
+    x, logits, w13, w2, _, _ = make_moe(5, 6, 48, 40, g, device, dtype)
+    shared = torch.randn(5, 48, generator=g).to(device, dtype)
+    gate = (torch.randn(5, 1, generator=g) * 3).to(device, dtype)
+    got = fused_moe(x, logits, w13, w2, 2, softmax_first=True, renormalize=False,
+                    shared=shared, shared_gate=gate)
+    ref = moe_ref(x, logits, w13, w2, 2, True, False, "silu").float() \
+        + torch.sigmoid(gate.float()) * shared.float()
+    torch.testing.assert_close(got, ref.to(dtype), atol=atol, rtol=rtol)

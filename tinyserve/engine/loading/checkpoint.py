@@ -208,10 +208,18 @@ class _Layers:
         E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         moe = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in files else "mlp.")
         router = Linear(self.dense(moe + "gate.weight", (E, D)))
+        shared = {}
+        if cfg.shared_expert_size:
+            S, se = cfg.shared_expert_size, moe + "shared_expert."
+            shared = dict(shared_gate_up=self.linear(D, ((se + "gate_proj", S),
+                                                         (se + "up_proj", S))),
+                          shared_down=self.linear(S, ((se + "down_proj", D),)),
+                          shared_gate=Linear(self.dense(moe + "shared_expert_gate.weight",
+                                                        (1, D))))
         if moe + "experts.gate_up_proj" in files:
             w13 = self.dense(moe + "experts.gate_up_proj", (E, 2 * F, D))
             w2 = self.dense(moe + "experts.down_proj", (E, D, F))
-            return ExpertWeights(router, w13, w2)
+            return ExpertWeights(router, w13, w2, **shared)
         names = ("w1", "w3", "w2") if moe.endswith("block_sparse_moe.") else \
             ("gate_proj", "up_proj", "down_proj")
         gate, up, down = (f"{moe}experts.{{}}.{n}.weight" for n in names)
@@ -219,7 +227,7 @@ class _Layers:
                                       self.reader.get(up.format(e), (F, D))]) for e in range(E)])
         w2 = torch.stack([self.reader.get(down.format(e), (D, F)) for e in range(E)])
         return ExpertWeights(router, w13.to(device=self.device, dtype=self.dtype).contiguous(),
-                             w2.to(device=self.device, dtype=self.dtype).contiguous())
+                             w2.to(device=self.device, dtype=self.dtype).contiguous(), **shared)
 
 
 def _checkpoint_int4(reader: _TensorReader, fmt: QuantFormat, parts: tuple[tuple[str, int], ...],

@@ -17,6 +17,8 @@ pass, as a row of switches. Llama is the plain row; each family sets the switche
     Qwen3-MoE                  Qwen3's attention; sparse feed-forwards of moe_intermediate_size
                                (norm_topk_prob), dense ones on mlp_only_layers and off
                                decoder_sparse_step
+    Qwen2-MoE                  Qwen2's attention (qkv_bias); Qwen3-MoE's experts plus a shared
+                               expert (shared_expert_intermediate_size) through a sigmoid gate
 
 The loaders map each family's weight names onto the same layer (checkpoint.py,
 gguf_weights.py). A config key that changes the computation and is not honoured is refused by
@@ -38,10 +40,10 @@ FAMILIES = {  # architecture -> model_type
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 # MoE config keys whose other values this forward pass does not compute (refused by name)
-_MOE_REFUSED = {"n_group": (None, 1), "topk_group": (None, 1), "num_shared_experts": (None, 0),
+_MOE_REFUSED = {"n_group": (None, 1), "topk_group": (None, 1), "n_shared_experts": (None, 0),
                 "shared_expert_intermediate_size": (None, 0), "router_jitter_noise": (None, 0.0),
                 "moe_layer_freq": (None, 1), "first_k_dense_replace": (None, 0)}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope",
@@ -97,6 +99,7 @@ class ModelConfig:
     moe_softmax_first: bool = True  # softmax over all experts, then the top k (else: top k,
     moe_renormalize: bool = False   # then a softmax over them); the k weights summed to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense feed-forward in a sparse model
+    shared_expert_size: int = 0  # a shared expert beside the routed ones (0: none)
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -151,7 +154,7 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
     given = raw.get("layer_types")
     if family == "llama":  # transformers' Llama has no window, whatever the config says
         return ()
-    qwen = family in ("qwen2", "qwen3", "qwen3_moe")
+    qwen = family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
     if given and not (qwen and not raw.get("use_sliding_window")):
         return tuple(given)
     window = raw.get("sliding_window")
@@ -180,7 +183,8 @@ def _switches(raw: dict[str, Any], family: str, head_dim: int, hidden: int) -> d
     if act not in ("silu", *GELU_TANH):
         raise ValueError(f"hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)")
     out = dict(
-        qkv_bias=bias or family == "qwen2", o_bias=bias, mlp_bias=bool(raw.get("mlp_bias")),
+        qkv_bias=bias or family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True)),
+        o_bias=bias, mlp_bias=bool(raw.get("mlp_bias")),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), norm_unit_offset=gemma,
         sandwich_norms=gemma,
         activation="gelu_tanh" if act in GELU_TANH else "silu",
@@ -219,7 +223,8 @@ def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
         raise ModelLoadError(f"{path}: layer_types {sorted(set(raw['layer_types']))} are not "
                              "supported (full_attention, sliding_attention)")
     for key, allowed in _MOE_REFUSED.items():
-        if raw.get(key) not in allowed:
+        if raw.get(key) not in allowed and not (family == "qwen2_moe"
+                                                and key == "shared_expert_intermediate_size"):
             raise ModelLoadError(f"{path}: {key}={raw[key]!r} is not supported (the sparse "
                                  "feed-forward here: routed experts, no groups or shared ones)")
     if (raw.get("quantization_config") or {}).get("modules_to_not_convert"):
@@ -331,7 +336,7 @@ def _experts(raw: dict[str, Any], family: str, num_layers: int) -> dict[str, Any
         return dict(num_experts=int(raw.get("num_local_experts", 8)),
                     experts_per_token=int(raw.get("num_experts_per_tok", 2)),
                     moe_intermediate_size=int(raw["intermediate_size"]), moe_renormalize=True)
-    if family == "qwen3_moe":
+    if family in ("qwen2_moe", "qwen3_moe"):
         step = int(raw.get("decoder_sparse_step", 1))
         if step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
@@ -342,7 +347,9 @@ def _experts(raw: dict[str, Any], family: str, num_layers: int) -> dict[str, Any
         return dict(num_experts=experts, experts_per_token=int(raw.get("num_experts_per_tok", 8)),
                     moe_intermediate_size=int(raw.get("moe_intermediate_size", 768)),
                     moe_renormalize=bool(raw.get("norm_topk_prob", False)),
-                    dense_layers=tuple(sorted(dense)))
+                    dense_layers=tuple(sorted(dense)),
+                    shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0)
+                    if family == "qwen2_moe" else 0)
     return {}
 
 

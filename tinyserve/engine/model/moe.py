@@ -6,7 +6,8 @@ combine: a token's output never depends on which tokens share its step).
     logits = x Wr^T                          [T, E] (the router, a plain linear)
     w, ids = route(logits)                   top k: softmax over all then top k (renormalised
                                              or not), or top k then a softmax over those
-    out[t] = sum_j w[t, j] * down_e(act(gate_e(x) ) * up_e(x)),  e = ids[t, j]
+    out[t] = sum_j w[t, j] * down_e(act(gate_e(x)) * up_e(x)),  e = ids[t, j]
+             [+ sigmoid(x Wsg) * shared(x)]     Qwen2-MoE's shared expert, a dense MLP
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tinyserve.engine.loading.model_config import ModelConfig
 from tinyserve.engine.model.batch import ForwardBatch
 from tinyserve.engine.model.linear import linear
 from tinyserve.engine.model.weights import ExpertWeights
-from tinyserve.kernels import fused_moe
+from tinyserve.kernels import fused_moe, silu_and_mul
 
 
 class SparseMoE:
@@ -30,5 +31,10 @@ class SparseMoE:
         # x: [T, D] -> [T, D]
         w = self.w
         logits = linear(x, w.router)  # [T, E]
+        shared = gate = None
+        if w.shared_gate_up is not None:  # (Qwen2-MoE) added in the combine
+            act = silu_and_mul(linear(x, w.shared_gate_up), activation=self.activation)
+            shared, gate = linear(act, w.shared_down), linear(x, w.shared_gate)  # [T, D], [T, 1]
         return fused_moe(x, logits, w.w13, w.w2, self.top_k, softmax_first=self.softmax_first,
-                         renormalize=self.renormalize, activation=self.activation)
+                         renormalize=self.renormalize, activation=self.activation,
+                         shared=shared, shared_gate=gate)

@@ -83,10 +83,16 @@ class ExpertWeights:
     router: Linear  # [E, D] float
     w13: torch.Tensor  # [E, 2F, D]: each expert's gate rows, then its up rows
     w2: torch.Tensor  # [E, D, F]
+    # Qwen2-MoE's shared expert: a dense MLP for every token, scaled by sigmoid(x shared_gate)
+    shared_gate_up: Linear | None = None  # [2S, D]
+    shared_down: Linear | None = None  # [D, S]
+    shared_gate: Linear | None = None  # [1, D]
 
     @property
     def nbytes(self) -> int:
-        return _bytes(self.router.weight, self.w13, self.w2)
+        shared = [lin.weight for lin in (self.shared_gate_up, self.shared_down,
+                                         self.shared_gate) if lin is not None]
+        return _bytes(self.router.weight, self.w13, self.w2, *shared)
 
 
 @dataclass(slots=True)
