@@ -1,5 +1,5 @@
 """Mixture-of-experts families against transformers, on random-weight checkpoints built here:
-Mixtral, Qwen2-MoE and Qwen3-MoE (float weights; kernels/moe.py's fused path). Two configs per
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (float weights; kernels/moe.py's fused path). Two configs per
 family with awkward sizes (6, 10 or 60 experts; top 1, 2, 4 or 8; a shared expert; dense layers
 among sparse ones; GQA; windows), compared in fp32 as the dense families are (test_families.py):
 
@@ -56,6 +56,14 @@ CONFIGS = {
         num_key_value_heads=4, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=24,
         shared_expert_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2,
         use_sliding_window=True, sliding_window=24, max_window_layers=1)),
+    # q/k norm over the whole projection, 6 experts top 2, GQA 2:1
+    "olmoe_e6_top2": ("OlmoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=6, num_experts_per_tok=2, norm_topk_prob=False)),
+    # 60 experts top 8 renormalised, head_dim 16 (hidden / heads), 3 layers
+    "olmoe_top8_renorm": ("OlmoeForCausalLM", dict(
+        hidden_size=48, intermediate_size=24, num_hidden_layers=3, num_attention_heads=3,
+        num_key_value_heads=3, num_experts=60, num_experts_per_tok=8, norm_topk_prob=True)),
 }
 
 
@@ -90,7 +98,10 @@ def test_the_config_says_which_layers_are_sparse(family):
     cfg = load_model_config(path)
     c = hf.config
     sparse = [cfg.is_sparse(i) for i in range(cfg.num_layers)]
-    if name.startswith("mixtral"):
+    if name.startswith("olmoe"):
+        assert sparse == [True] * cfg.num_layers and cfg.qk_norm_whole and not cfg.qk_norm
+        assert cfg.moe_renormalize == c.norm_topk_prob
+    elif name.startswith("mixtral"):
         assert sparse == [True] * cfg.num_layers and cfg.moe_renormalize
         assert (cfg.num_experts, cfg.experts_per_token) == (c.num_local_experts,
                                                             c.num_experts_per_tok)

@@ -185,7 +185,7 @@ class _Layers:
                         for x, n in (("q", q_out), ("k", kv_out), ("v", kv_out)))
             gate_up = ((p + "mlp.gate_proj", I), (p + "mlp.up_proj", I))
         sandwich = cfg.sandwich_norms
-        sparse = cfg.is_sparse(i)
+        sparse, whole = cfg.is_sparse(i), cfg.qk_norm_whole
         return LayerWeights(
             input_norm=self.dense(p + "input_layernorm.weight", (D,)),
             qkv=self.linear(D, qkv, cfg.qkv_bias),
@@ -196,8 +196,10 @@ class _Layers:
             experts=self.experts(p) if sparse else None,
             pre_ffn_norm=self.dense(p + "pre_feedforward_layernorm.weight", (D,)) if sandwich else None,
             post_ffn_norm=self.dense(p + "post_feedforward_layernorm.weight", (D,)) if sandwich else None,
-            q_norm=self.dense(p + "self_attn.q_norm.weight", (Dh,)) if cfg.qk_norm else None,
-            k_norm=self.dense(p + "self_attn.k_norm.weight", (Dh,)) if cfg.qk_norm else None)
+            q_norm=self.dense(p + "self_attn.q_norm.weight", (q_out if whole else Dh,))
+            if cfg.qk_norm or whole else None,
+            k_norm=self.dense(p + "self_attn.k_norm.weight", (kv_out if whole else Dh,))
+            if cfg.qk_norm or whole else None)
 
 
     def experts(self, p: str) -> ExpertWeights:

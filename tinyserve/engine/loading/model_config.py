@@ -19,6 +19,8 @@ pass, as a row of switches. Llama is the plain row; each family sets the switche
                                decoder_sparse_step
     Qwen2-MoE                  Qwen2's attention (qkv_bias); Qwen3-MoE's experts plus a shared
                                expert (shared_expert_intermediate_size) through a sigmoid gate
+    OLMoE                      q/k RMSNorm over the whole projection (not per head); every layer
+                               sparse, experts of intermediate_size (norm_topk_prob)
 
 The loaders map each family's weight names onto the same layer (checkpoint.py,
 gguf_weights.py). A config key that changes the computation and is not honoured is refused by
@@ -41,6 +43,7 @@ FAMILIES = {  # architecture -> model_type
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # MoE config keys whose other values this forward pass does not compute (refused by name)
 _MOE_REFUSED = {"n_group": (None, 1), "topk_group": (None, 1), "n_shared_experts": (None, 0),
@@ -78,6 +81,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on q and k, before rope
+    qk_norm_whole: bool = False  # RMSNorm over all of q's (k's) heads at once (OLMoE)
     norm_unit_offset: bool = False  # every RMSNorm times (1 + w), in fp32 (Gemma)
     sandwich_norms: bool = False  # post-attention, pre- and post-feedforward norms (Gemma)
     activation: str = "silu"  # "silu" | "gelu_tanh"
@@ -185,7 +189,8 @@ def _switches(raw: dict[str, Any], family: str, head_dim: int, hidden: int) -> d
     out = dict(
         qkv_bias=bias or family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True)),
         o_bias=bias, mlp_bias=bool(raw.get("mlp_bias")),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), norm_unit_offset=gemma,
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), qk_norm_whole=family == "olmoe",
+        norm_unit_offset=gemma,
         sandwich_norms=gemma,
         activation="gelu_tanh" if act in GELU_TANH else "silu",
         fused_checkpoint=family == "phi3")
@@ -227,6 +232,8 @@ def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
                                                 and key == "shared_expert_intermediate_size"):
             raise ModelLoadError(f"{path}: {key}={raw[key]!r} is not supported (the sparse "
                                  "feed-forward here: routed experts, no groups or shared ones)")
+    if raw.get("clip_qkv") is not None:
+        raise ModelLoadError(f"{path}: clip_qkv={raw['clip_qkv']!r} is not supported")
     if (raw.get("quantization_config") or {}).get("modules_to_not_convert"):
         raise ModelLoadError(f"{path}: quantization_config.modules_to_not_convert is not supported")
 
@@ -336,6 +343,11 @@ def _experts(raw: dict[str, Any], family: str, num_layers: int) -> dict[str, Any
         return dict(num_experts=int(raw.get("num_local_experts", 8)),
                     experts_per_token=int(raw.get("num_experts_per_tok", 2)),
                     moe_intermediate_size=int(raw["intermediate_size"]), moe_renormalize=True)
+    if family == "olmoe":
+        return dict(num_experts=int(raw.get("num_experts", raw.get("num_local_experts", 64))),
+                    experts_per_token=int(raw.get("num_experts_per_tok", 8)),
+                    moe_intermediate_size=int(raw["intermediate_size"]),
+                    moe_renormalize=bool(raw.get("norm_topk_prob", False)))
     if family in ("qwen2_moe", "qwen3_moe"):
         step = int(raw.get("decoder_sparse_step", 1))
         if step < 1:

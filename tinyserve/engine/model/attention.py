@@ -2,8 +2,9 @@
 KV-cache write, paged attention (decode rows split-KV, prefill chunks ragged), o projection.
 
     q, k, v = x Wqkv (+ bias)              (Qwen2: bias in the matmul's epilogue)
-    q, k = rope(norm(q), norm(k))          (Qwen3, Gemma 3: per-head norm; partial rotary;
-                                            Gemma 3's local layers: their own rope table)
+    q, k = rope(norm(q), norm(k))          (Qwen3, Gemma 3: per-head norm; OLMoE: over all of
+                                            q's or k's heads; partial rotary; Gemma 3's local
+                                            layers: their own rope table)
     a = attention(q, K, V) Wo              (window per layer; soft-cap; scale)
 """
 
@@ -17,7 +18,12 @@ from tinyserve.engine.model.kv_cache import LayerKV
 from tinyserve.engine.model.linear import Projector
 from tinyserve.engine.model.rope import RopeTables
 from tinyserve.engine.model.weights import LayerWeights
-from tinyserve.kernels import context_attention_paged, rotary_and_write_kv, token_attention_paged
+from tinyserve.kernels import (
+    add_rmsnorm,
+    context_attention_paged,
+    rotary_and_write_kv,
+    token_attention_paged,
+)
 from tinyserve.kernels.rotary import QKNorm
 from tinyserve.kernels.utils import empty
 
@@ -30,8 +36,10 @@ class Attention:
         self.w, self.project = w, project
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.cos_sin = rope.local if cfg.uses_local_rope(i) else (rope.cos, rope.sin)
-        self.qk_norm = None if w.q_norm is None else QKNorm(
+        self.qk_norm = None if w.q_norm is None or cfg.qk_norm_whole else QKNorm(
             w.q_norm, w.k_norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        self.eps = cfg.rms_norm_eps
+        self.whole_norms = (w.q_norm, w.k_norm) if cfg.qk_norm_whole else None
         self.shape = dict(sm_scale=cfg.attn_scale, window=cfg.window(i), softcap=cfg.attn_softcap)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: LayerKV) -> torch.Tensor:
@@ -39,6 +47,10 @@ class Attention:
         Hq, Hk, Dh = self.heads
         T = x.shape[0]
         qkv = self.project("qkv", x, self.w.qkv, batch)  # [T, (Hq + 2Hk) * Dh]
+        if self.whole_norms is not None:  # (OLMoE) in place, each row read whole first
+            for part, w in zip((qkv[:, : Hq * Dh], qkv[:, Hq * Dh : (Hq + Hk) * Dh]),
+                               self.whole_norms, strict=True):
+                add_rmsnorm(part, w, self.eps, out=part)
         q = qkv[:, : Hq * Dh].view(T, Hq, Dh)
         k = qkv[:, Hq * Dh : (Hq + Hk) * Dh].view(T, Hk, Dh)
         v = qkv[:, (Hq + Hk) * Dh :].view(T, Hk, Dh)

@@ -105,8 +105,8 @@ class LayerWeights:
     down: AnyLinear | None  # [D, I]
     pre_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
     post_ffn_norm: torch.Tensor | None = None  # [D] (sandwich norms: Gemma)
-    q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3)
-    k_norm: torch.Tensor | None = None  # [Dh]
+    q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3); [Hq * Dh] (OLMoE)
+    k_norm: torch.Tensor | None = None  # [Dh]; [Hk * Dh]
     experts: ExpertWeights | None = None  # a sparse feed-forward instead of gate_up / down
 
     @property
