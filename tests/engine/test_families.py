@@ -106,16 +106,21 @@ CONFIGS = {
 LENGTH_DEPENDENT = {"qwen3_bias_dynamic": 64, "phi3_longrope_window": 48}
 
 
-def build(name: str, path) -> "transformers.PreTrainedModel":
-    arch, kw = CONFIGS[name]
+def build(name: str, path, configs: dict | None = None, common: dict | None = None,
+          perturb=None) -> "transformers.PreTrainedModel":
+    """The random-weight checkpoint ``name`` of ``configs`` (this file's by default) saved at
+    ``path`` with the demo tokenizer; ``perturb(name, param)`` may change a parameter more."""
+    arch, kw = (configs or CONFIGS)[name]
     cls = getattr(transformers, arch)
-    cfg = cls.config_class(**{**COMMON, **kw})
+    cfg = cls.config_class(**{**(common or COMMON), **kw})
     torch.manual_seed(sum(map(ord, name)))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # norms away from their zero / one init, so they matter
         for n, p in hf.named_parameters():
             if "norm" in n or n.endswith(".bias"):
                 p.add_(0.3 * torch.randn_like(p))
+            if perturb is not None:
+                perturb(n, p)
     hf.save_pretrained(path)
     write_tokenizer(path)
     return hf
@@ -133,11 +138,15 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def test_logits_match_transformers_over_prefill_and_decode(family):
-    """A prefill in two chunks (the second starting mid-block) and three decode steps."""
     name, hf, path = family
+    check_logits(name, hf, path, min(44, LENGTH_DEPENDENT.get(name, 128)))
+
+
+def check_logits(name: str, hf, path, length: int) -> None:
+    """A prefill in two chunks (the second starting mid-block) and three decode steps: relative
+    L2 < 1e-4 against transformers' full-sequence logits, every logprob within 2e-4."""
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=BLOCK)
-    limit = LENGTH_DEPENDENT.get(name, 128)
-    ids = prompt(1, min(44, limit))
+    ids = prompt(1, length)
     n = len(ids) - 3
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()

@@ -18,6 +18,9 @@ APP = "tinyserve"
 # checks time out after 5 s and 10 s by default); read when the cluster's processes start.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+# A replica's queue length answered within 1 s, not 0.1 s: on a busy CI machine the probe
+# missed its deadline and every request went to the one replica that answered in time
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 

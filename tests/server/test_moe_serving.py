@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from tests.engine.moe_families import build
 from tests.engine.test_families import hf_greedy, prompt
-from tests.engine.test_moe_families import build
 from tests.server.helpers import post
 from tests.server.inprocess import InProcessServer
 from tinyserve.config import EngineConfig

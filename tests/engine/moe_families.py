@@ -1,4 +1,5 @@
-"""Mixture-of-experts families against transformers, on random-weight checkpoints built here:
+"""Mixture-of-experts families against transformers, on random-weight checkpoints built here
+(the tests, run per family by tests/engine/test_moe_*.py):
 Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (float weights; kernels/moe.py's fused path). Two configs per
 family with awkward sizes (6, 10 or 60 experts; top 1, 2, 4 or 8; a shared expert; dense layers
 among sparse ones; GQA; windows), compared in fp32 as the dense families are (test_families.py):
@@ -15,9 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.engine.test_families import check_logprobs, hf_greedy, prompt  # noqa: E402
-from tests.engine.test_model_vs_transformers import rel_l2, run_chunk  # noqa: E402
-from tinyserve.engine.loading.demo import write_tokenizer  # noqa: E402
+from tests.engine.test_families import build as build_dense  # noqa: E402
+from tests.engine.test_families import check_logits, check_logprobs, hf_greedy, prompt  # noqa: E402
 from tinyserve.llm import LLM  # noqa: E402
 from tinyserve.messages import SamplingParams  # noqa: E402
 
@@ -67,28 +67,26 @@ CONFIGS = {
 }
 
 
+def sharpen(name: str, param) -> None:
+    """Routers and experts drawn wider than transformers' init: routing decisions that matter."""
+    if name.endswith(("gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+        param.normal_(0.0, 0.15)
+
+
 def build(name: str, path):
-    arch, kw = CONFIGS[name]
-    cls = getattr(transformers, arch)
-    cfg = cls.config_class(**{**COMMON, **kw})
-    torch.manual_seed(sum(map(ord, name)))
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with torch.no_grad():  # norms away from their init; routers sharp enough to matter
-        for n, p in hf.named_parameters():
-            if "norm" in n or n.endswith(".bias"):
-                p.add_(0.3 * torch.randn_like(p))
-            if n.endswith("gate.weight") or n.endswith("experts.gate_up_proj") \
-                    or n.endswith("experts.down_proj"):
-                p.normal_(0.0, 0.15)
-    hf.save_pretrained(path)
-    write_tokenizer(path)
-    return hf
+    return build_dense(name, path, CONFIGS, COMMON, sharpen)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    return request.param, build(request.param, path), path
+def families(prefix: str):
+    """The module-scoped ``family`` fixture over the configs named ``prefix...``: one test
+    file per family, so their checkpoints are built once and the files spread over workers."""
+    @pytest.fixture(scope="module", params=sorted(n for n in CONFIGS if n.startswith(prefix)))
+    def family(request, tmp_path_factory):
+        path = tmp_path_factory.mktemp(request.param)
+        return request.param, build(request.param, path), path
+    return family
+
+
 
 
 def test_the_config_says_which_layers_are_sparse(family):
@@ -117,21 +115,7 @@ def test_the_config_says_which_layers_are_sparse(family):
 
 def test_logits_match_transformers_over_prefill_and_decode(family):
     name, hf, path = family
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=BLOCK)
-    ids = prompt(1, 44)
-    n = len(ids) - 3
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    blocks = [7, 2, 9, 4]
-    got = [run_chunk(llm.engine, 0, ids[:20], 0, blocks),
-           run_chunk(llm.engine, 0, ids[:n], 20, blocks)]
-    for pos in range(n, len(ids)):
-        got.append(run_chunk(llm.engine, 0, ids[:pos + 1], pos, blocks))
-    got = torch.cat(got)
-    err = rel_l2(got, ref)
-    assert err < 1e-4, f"{name}: relative L2 {err:.2e}"
-    lp_err = (torch.log_softmax(got.double(), -1) - torch.log_softmax(ref.double(), -1)).abs()
-    assert lp_err.max() < 2e-4, f"{name}: logprob error {lp_err.max():.2e}"
+    check_logits(name, hf, path, 44)
 
 
 def test_greedy_generation_and_logprobs_through_llm(family):
