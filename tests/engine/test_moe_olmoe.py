@@ -13,4 +13,4 @@ from tests.engine.moe_families import (  # noqa: E402, F401 (the tests this file
     test_the_config_says_which_layers_are_sparse,
 )
 
-family = families("olmoe")
+family, whole_run = families("olmoe", "olmoe_top8_renorm")

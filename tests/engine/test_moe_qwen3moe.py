@@ -13,4 +13,4 @@ from tests.engine.moe_families import (  # noqa: E402, F401 (the tests this file
     test_the_config_says_which_layers_are_sparse,
 )
 
-family = families("qwen3moe")
+family, whole_run = families("qwen3moe", "qwen3moe_e60_dense")
