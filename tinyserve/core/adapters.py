@@ -184,6 +184,9 @@ def _lora_shapes(weights: Path, dims: ModelDims) -> dict[tuple[int, str], dict[s
         found.setdefault((layer, module), {})[ab] = _entry_shape(weights, key, info, data_bytes)
     if not found:
         raise ValueError(f"{weights}: the adapter holds no LoRA weights")
+    end = max(info["data_offsets"][1] for key, info in header.items() if key != "__metadata__")
+    if end < data_bytes:  # (a sparse file of gigabytes behind a small header)
+        raise ValueError(f"{weights}: {data_bytes - end} bytes after the last tensor's data")
     return found
 
 
@@ -227,11 +230,6 @@ def _safetensors_header(path: Path) -> tuple[dict, int]:
         raise ValueError(f"{path}: not a safetensors file: {e}") from None
     if not isinstance(header, dict) or data_bytes < 0:
         raise ValueError(f"{path}: not a safetensors file")
-    ends = [info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"
-            and isinstance(info, dict) and isinstance(info.get("data_offsets"), list)
-            and len(info["data_offsets"]) == 2 and isinstance(info["data_offsets"][1], int)]
-    if ends and max(ends) < data_bytes:  # (a sparse file of gigabytes behind a small header)
-        raise ValueError(f"{path}: {data_bytes - max(ends)} bytes after the last tensor's data")
     return header, data_bytes
 
 
