@@ -71,7 +71,8 @@ def serve_events(limit: int = 20) -> str:
         with open(path, errors="replace") as f:
             lines += [line[:300] for line in f if any(k in line for k in (
                 "Health check", "unhealthy", "stopping it", "died", "exited", "Traceback",
-                "Failed to get queue length"))]
+                "Failed to get queue length", "Failed to fetch queue length",
+                "temporarily unavailable", "prefix tree"))]
     return "\n".join(lines[-limit:]) or "(no health-check events in Serve's logs)"
 
 

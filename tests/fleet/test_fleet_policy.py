@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from tinyserve.fleet.app import FleetConfig
-from tinyserve.fleet.policy import LoadGuard, ReplicaLoad, rank
+from tinyserve.fleet.policy import LoadGuard, ReplicaLoad, prefix_counts, rank
 from tinyserve.fleet.relay import FleetRequest, ReplicaDown, relay_headers, routing_text
 from tinyserve.fleet.replica import _Holdback, has_output, load_from_metrics
 
@@ -63,6 +63,20 @@ def test_ties_spread_by_what_this_router_picked():
     ls = loads()
     assert rank(IDS, ls, IDS, LoadGuard(), picked={"a": 3, "b": 1, "c": 2})[0] == ["b"]
     assert rank(IDS, ls, [], LoadGuard(), picked={"a": 1, "b": 1, "c": 0})[0] == ["c"]
+
+
+def test_the_model_key_alone_is_no_prefix_match():
+    # Two unrelated prompts to one model share only "model\0": no owner (the CI failure: every
+    # new prefix followed the first to its replica).
+    a = routing_text(msgspec.json.encode({"model": "stories260k", "prompt": "Tom had a ball. " * 4}))
+    key = len("stories260k") + 1
+    assert not prefix_counts(key, a, 0.1)
+    assert not prefix_counts(key + 1, a, 0.1)  # a shared first letter is not 10% of the prompt
+    assert prefix_counts(key + 7, a, 0.1) and not prefix_counts(key + 6, a, 0.1)  # 64 chars
+    assert prefix_counts(len(a), a, 1.0)
+    # No key (a body without "model"): the whole text counts, as before.
+    assert prefix_counts(7, "x" * 64, 0.1) and not prefix_counts(6, "x" * 64, 0.1)
+    assert not prefix_counts(0, "x" * 64, 0.0) and not prefix_counts(0, "", 0.0)
 
 
 def test_every_replica_is_ranked_once():

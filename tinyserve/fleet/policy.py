@@ -49,6 +49,17 @@ class LoadGuard:
                 and owner.requests > self.rel_threshold * least.requests)
 
 
+def prefix_counts(matched: int, text: str, threshold: float) -> bool:
+    """Whether a prefix match of ``matched`` characters of ``text`` makes its holders the
+    owners. The model key ahead of the prompt (``model\\0prompt``, relay.routing_text) is
+    shared by every request to that model and never counts: with it, two unrelated prompts
+    "matched" on the key alone (12 of ~100 characters, over the 0.1 threshold) and every new
+    prefix followed the first one to its replica."""
+    key = text.find("\0") + 1  # 0 when there is no key
+    prompt = len(text) - key
+    return prompt > 0 and matched - key > 0 and matched - key >= threshold * prompt
+
+
 def rank(ids: Sequence[str], loads: Mapping[str, ReplicaLoad], owners: Sequence[str],
          guard: LoadGuard, exclude: Sequence[str] = (),
          picked: Mapping[str, int] | None = None) -> list[list[str]]:

@@ -27,7 +27,7 @@ from ray.serve._private.replica_result import ReplicaResult
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 
-from tinyserve.fleet.policy import LoadGuard, ReplicaLoad, rank
+from tinyserve.fleet.policy import LoadGuard, ReplicaLoad, prefix_counts, rank
 from tinyserve.fleet.relay import FleetRequest
 
 log = logging.getLogger("ray.serve")
@@ -83,7 +83,8 @@ class PrefixLoadRouter(PrefixCacheAffinityRouter):
         try:
             async with asyncio.timeout(TREE_TIMEOUT_S):
                 matched, tenants = await self._tree_actor.prefix_match.remote(text, list(full))
-                if not (tenants and len(matched) >= self._match_rate_threshold * len(text)):
+                if not (tenants and prefix_counts(len(matched), text,
+                                                  self._match_rate_threshold)):
                     tenants = await self._tree_actor.get_smallest_tenants.remote() or []
         except Exception as e:  # an actor that died or hangs: route on load alone
             if self._tree_ok:
