@@ -17,8 +17,10 @@ each token's k rows contiguously. Activations (gate, up: the two halves of w13's
     swiglu_oai  gate = min(gate, limit), up = clamp(up, -limit, limit),
                 (up + 1) * gate * sigmoid(alpha * gate) gate = even rows, up = odd (gpt-oss)
 Biases (gpt-oss): b13 [E, 2F] in w13's row layout, b2 [E, D] added before the weight w_f.
-Weights are float (x's dtype); a quantized format adds a branch to ``_weight_tile`` as
-group_matmul.py's ``_k_chunk`` does (codes -> fp32 with scales, then x's dtype).
+Weights are float (x's dtype) or int8 per output channel (``--quantization int8``: w ~= w_q *
+scale[e, n], matmul.py's format per expert): a tile of codes becomes x's dtype in registers
+(exact: |q| <= 127) and the scale, which factors out of the K-sum, multiplies the accumulator
+once, before bias and activation. The fp weights never exist.
 
 Batch invariance: a row's result depends on its x row, its expert's weights and the shape:
 block_m comes from (E, dtype) (``moe_block_m``), BLOCK_N / BLOCK_K from (N, K, dtype), never T;
@@ -57,10 +59,10 @@ def moe_block_m(num_experts: int, dtype: torch.dtype) -> int:
 # ------------------------------------------------------------------------ the grouped GEMMs
 
 @triton.jit
-def _weight_tile(w_ptrs, mask):
-    """A [BLOCK_K, BLOCK_N] tile of the expert's weights in the activations' dtype: where a
-    quantized format's dequant goes (codes and scales -> fp32 -> x's dtype)."""
-    return tl.load(w_ptrs, mask=mask, other=0.0)
+def _weight_tile(w_ptrs, mask, dtype):
+    """A [BLOCK_K, BLOCK_N] tile of the expert's weights in the activations' dtype (int8 codes
+    convert exactly; their scale is applied to the accumulator)."""
+    return tl.load(w_ptrs, mask=mask, other=0).to(dtype)
 
 
 @triton.jit
@@ -78,10 +80,10 @@ def _k_loop(a_rows, w_ptrs, up_off, rows, mask_n, K, stride_ak, stride_wn, strid
         mask_k = (offs_k + k) < K
         a = tl.load(a_ptrs, mask=rows[:, None] & mask_k[None, :], other=0.0)
         w_mask = mask_k[:, None] & mask_n[None, :]
-        acc = tl.dot(a, _weight_tile(w_ptrs, w_mask), acc, input_precision=DOT_PREC)
+        acc = tl.dot(a, _weight_tile(w_ptrs, w_mask, a.dtype), acc, input_precision=DOT_PREC)
         if GATED:
-            acc_up = tl.dot(a, _weight_tile(w_ptrs + up_off * stride_wn, w_mask), acc_up,
-                            input_precision=DOT_PREC)
+            acc_up = tl.dot(a, _weight_tile(w_ptrs + up_off * stride_wn, w_mask, a.dtype),
+                            acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
     return acc, acc_up
@@ -89,11 +91,12 @@ def _k_loop(a_rows, w_ptrs, up_off, rows, mask_n, K, stride_ak, stride_wn, strid
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, rw_ptr, sorted_ptr, tile_expert_ptr, out_ptr,
+    a_ptr, w_ptr, scale_ptr, bias_ptr, rw_ptr, sorted_ptr, tile_expert_ptr, out_ptr,
     n_flat, N, K, E, a_div, up_off, alpha, limit,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_om, stride_on,
-    ACT: tl.constexpr, ROW_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+    stride_be, stride_bn, stride_om, stride_on,
+    ACT: tl.constexpr, ROW_STEP: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # ACT 0: out[f] = (a[f] @ w[e].T + b[e]) * rw[f] (down); 1-3: act(gate, up) (gate/up)
@@ -112,6 +115,11 @@ def _moe_gemm_kernel(
     acc, acc_up = _k_loop(a_ptr + (f // a_div)[:, None] * stride_am, w_ptrs, up_off, rows,
                           mask_n, K, stride_ak, stride_wn, stride_wk,
                           GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+    if W_INT8:  # per output channel: out[m, n] = scale[e, n] * sum_k a[m, k] q[n, k]
+        s_ptrs = scale_ptr + expert * stride_se + w_rows * stride_sn
+        acc = acc * tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(s_ptrs + up_off * stride_sn, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert * stride_be + w_rows * stride_bn
         acc += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -155,12 +163,19 @@ def _block_m(sorted_ids: torch.Tensor, expert_of_tile: torch.Tensor,
     return block_m
 
 
-def _gemm(a, w, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div, act, row_step,
-          up_off, alpha, limit) -> torch.Tensor:
+def _gemm(a, w, scale, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div, act,
+          row_step, up_off, alpha, limit) -> torch.Tensor:
     E, _, K = w.shape
     N = out.shape[1]
-    check(w.dtype == a.dtype, f"the expert weights must be the activations' {a.dtype}, got {w.dtype}")
     check(w.device == a.device, "the expert weights must be on the activations' device")
+    if scale is None:
+        check(w.dtype == a.dtype,
+              f"the expert weights must be the activations' {a.dtype}, got {w.dtype}")
+    else:
+        check(w.dtype == torch.int8, f"scaled expert weights must be int8, got {w.dtype}")
+        check(scale.shape == w.shape[:2] and scale.dtype == torch.float32
+              and scale.device == a.device,
+              f"the scales must be fp32 [{E}, {w.shape[1]}] (one per expert and output row)")
     check(out.dim() == 2 and out.shape[0] == n_flat and out.dtype in FLOATS
           and out.device == a.device, f"out must be a float [{n_flat}, {N}]")
     if bias is not None:
@@ -170,13 +185,15 @@ def _gemm(a, w, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div, act, r
         return out
     block_m = _block_m(sorted_ids, expert_of_tile, a.device)
     bn, bk = _gemm_tiles(N, K, a.dtype, act != 0)
-    b = w if bias is None else bias
+    b = a if bias is None else bias
+    sc = a if scale is None else scale
     launch(_moe_gemm_kernel, (expert_of_tile.numel(), cdiv(N, bn)),
-           a, w, b, a if rw is None else rw, sorted_ids, expert_of_tile, out,
+           a, w, sc, b, a if rw is None else rw, sorted_ids, expert_of_tile, out,
            n_flat, N, K, E, a_div, up_off, alpha, limit,
            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-           b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-           ACT=act, ROW_STEP=row_step, HAS_BIAS=bias is not None, MUL_WEIGHT=rw is not None,
+           sc.stride(0), sc.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+           ACT=act, ROW_STEP=row_step, W_INT8=scale is not None, HAS_BIAS=bias is not None,
+           MUL_WEIGHT=rw is not None,
            BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=dot_precision(a.dtype),
            num_warps=4)
     return out
@@ -185,8 +202,10 @@ def _gemm(a, w, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div, act, r
 def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
                 expert_of_tile: torch.Tensor, top_k: int, activation: str = "silu",
                 bias: torch.Tensor | None = None, *, swiglu_alpha: float = 1.702,
-                swiglu_limit: float = 7.0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, D], w13: [E, 2F, D] (x's dtype), bias: [E, 2F] -> h: [T*k, F] in x's dtype,
+                swiglu_limit: float = 7.0, scale: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, D], w13: [E, 2F, D] (x's dtype, or int8 with ``scale`` [E, 2F] fp32), bias:
+    [E, 2F] -> h: [T*k, F] in x's dtype,
     h[f] = act(gate, up) of x[f // k] through expert e_f (module docstring; swiglu_oai reads
     gate / up interleaved and takes alpha / limit). Rows of h are flat ids t*k + j."""
     check(activation in ACTIVATIONS, f"activation must be one of {tuple(ACTIVATIONS)}, "
@@ -200,15 +219,17 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
         out = empty((T, top_k, F), x.dtype, x.device).view(T * top_k, F)
     check(out.shape == (T * top_k, F), f"out must be [{T * top_k}, {F}]")
     interleaved = activation == "swiglu_oai"
-    return _gemm(x, w13, bias, None, sorted_ids, expert_of_tile, out, T * top_k, top_k,
+    return _gemm(x, w13, scale, bias, None, sorted_ids, expert_of_tile, out, T * top_k, top_k,
                  ACTIVATIONS[activation], 2 if interleaved else 1, 1 if interleaved else F,
                  swiglu_alpha, swiglu_limit)
 
 
 def moe_down(h: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor,
              expert_of_tile: torch.Tensor, weights: torch.Tensor,
-             bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """h: [T*k, F], w2: [E, D, F] (h's dtype), weights: [T, k] fp32, bias: [E, D] ->
+             bias: torch.Tensor | None = None, *, scale: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """h: [T*k, F], w2: [E, D, F] (h's dtype, or int8 with ``scale`` [E, D] fp32), weights:
+    [T, k] fp32, bias: [E, D] ->
     y: [T*k, D] in h's dtype, y[f] = weights[f] * (h[f] @ w2[e_f].T + bias[e_f])."""
     check(weights.dim() == 2 and weights.dtype == torch.float32 and weights.is_contiguous(),
           "weights must be a contiguous fp32 [T, k]")
@@ -222,7 +243,7 @@ def moe_down(h: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor,
     if out is None:
         out = empty((weights.shape[0], weights.shape[1], D), h.dtype, h.device).view(n_flat, D)
     check(out.shape == (n_flat, D), f"out must be [{n_flat}, {D}]")
-    return _gemm(h, w2, bias, weights, sorted_ids, expert_of_tile, out, n_flat, 1, 0, 1, 0,
+    return _gemm(h, w2, scale, bias, weights, sorted_ids, expert_of_tile, out, n_flat, 1, 0, 1, 0,
                  0.0, 0.0)
 
 
@@ -282,10 +303,14 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, swiglu_alpha: float = 1.702,
               swiglu_limit: float = 7.0, block_m: int | None = None,
-              shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None
+              shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              counts: torch.Tensor | None = None, rows: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """x: [T, D], router_logits: [T, E], w13: [E, 2F, D], w2: [E, D, F] (x's dtype), biases
-    [E, 2F] / [E, D] -> out: [T, D] in x's dtype: route, sort, gate/up, down, combine (module
+    """x: [T, D], router_logits: [T, E], w13: [E, 2F, D], w2: [E, D, F] (x's dtype, or int8
+    with ``w13_scale`` [E, 2F] / ``w2_scale`` [E, D]), biases [E, 2F] / [E, D] -> out: [T, D]
+    in x's dtype: route (counting each expert's rows into ``counts`` where given: moe_route),
+    sort, gate/up, down, combine (module
     docstrings). ``block_m``: rows per expert tile, by default ``moe_block_m`` (per model; a
     caller's choice must not vary with T, or batch invariance goes). ``shared`` [T, D] and
     ``shared_gate`` [T, 1]: a shared expert's output and gate logits, added in the combine."""
@@ -294,9 +319,9 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
           "router_logits must be [T, E] for x's T tokens and the weights' E experts")
     E = w13.shape[0]
     weights, ids = moe_route(router_logits, top_k, softmax_first=softmax_first,
-                             renormalize=renormalize)
+                             renormalize=renormalize, counts=counts, rows=rows)
     sorted_ids, expert_of_tile, _ = moe_align(ids, E, block_m or moe_block_m(E, x.dtype))
     h = moe_gate_up(x, w13, sorted_ids, expert_of_tile, top_k, activation, w13_bias,
-                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-    y = moe_down(h, w2, sorted_ids, expert_of_tile, weights, w2_bias)
+                    swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, scale=w13_scale)
+    y = moe_down(h, w2, sorted_ids, expert_of_tile, weights, w2_bias, scale=w2_scale)
     return moe_combine(y, top_k, shared=shared, shared_gate=shared_gate)

@@ -7,6 +7,9 @@ pairs grouped into expert tiles for moe.py's grouped GEMMs.
     otherwise      the k largest logits v; w = softmax(v) (gpt-oss); renormalize is moot
     Order: descending logit, ties to the lower expert id (torch.topk leaves ties unspecified).
     E <= 256, k <= 16. Rows need one finite logit; NaN logits are not supported.
+    counts (optional, the operator's expert load): counts[e] += the rows that picked e, rows
+    with a KV slot only (``rows``: the step's slot mapping; a bucket's padding has -1). One
+    atomic add per expert per program: integers, so the total is exact in any order.
 
 The sort (``moe_align``): the flat entries f = t*k + j grouped by expert, experts in id order,
 ascending f within an expert (one answer for given ids: deterministic), each expert's run
@@ -56,9 +59,9 @@ def _key_value(key):
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, T, E, stride_lt, stride_le,
+    logits_ptr, weights_ptr, ids_ptr, counts_ptr, rows_ptr, T, E, stride_lt, stride_le,
     TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    COUNT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
@@ -73,12 +76,20 @@ def _moe_route_kernel(
     key = tl.where(mask_e[None, :], _ordered_key(x), -(2**40))
     top = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)  # the chosen logits, descending
     ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    if COUNT:
+        counted = mask_t & (tl.load(rows_ptr + rows, mask=mask_t, other=-1) >= 0)
+        per_expert = tl.zeros([BLOCK_E], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)
         idx = tl.min(tl.where(key == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
-        key = tl.where(offs_e[None, :] == idx[:, None], -(2**40), key)
+        hit = offs_e[None, :] == idx[:, None]
+        key = tl.where(hit, -(2**40), key)
         top = tl.where(offs_k[None, :] == j, _key_value(best)[:, None], top)
         ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
+        if COUNT:
+            per_expert += tl.sum((hit & counted[:, None]).to(tl.int64), axis=0)
+    if COUNT:
+        tl.atomic_add(counts_ptr + offs_e, per_expert, mask=mask_e & (per_expert > 0))
     chosen = offs_k[None, :] < TOP_K
     m = tl.max(x, axis=1)
     if SOFTMAX_FIRST:
@@ -95,22 +106,33 @@ def _moe_route_kernel(
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, softmax_first: bool,
-              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool, counts: torch.Tensor | None = None,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] float (E <= 256) -> (weights [T, k] fp32, ids [T, k] int32), each
-    row by descending logit, ties to the lower id (module docstring for the two modes)."""
+    row by descending logit, ties to the lower id (module docstring for the two modes).
+    ``counts`` [E] int64 and ``rows`` [T] int64 (the slot mapping): counts[e] += the rows with
+    a slot that picked e."""
     check(router_logits.dim() == 2 and router_logits.dtype in FLOATS,
           "router_logits must be a float [T, E]")
     T, E = router_logits.shape
     check(1 <= E <= MAX_EXPERTS, f"the router has {E} experts: 1 to {MAX_EXPERTS} supported")
     check(1 <= top_k <= min(E, MAX_TOP_K), f"top_k must be in [1, {min(E, MAX_TOP_K)}], got {top_k}")
-    weights = empty((T, top_k), torch.float32, router_logits.device)
-    ids = empty((T, top_k), torch.int32, router_logits.device)
+    dev = router_logits.device
+    if counts is not None:
+        check(counts.shape == (E,) and counts.dtype == torch.int64 and counts.is_contiguous()
+              and counts.device == dev, f"counts must be a contiguous int64 [{E}]")
+        check(rows is not None and rows.shape == (T,) and rows.dtype == torch.int64
+              and rows.device == dev, f"rows must be the step's int64 [{T}] slot mapping")
+    weights = empty((T, top_k), torch.float32, dev)
+    ids = empty((T, top_k), torch.int32, dev)
     if T == 0:
         return weights, ids
     block_t = min(64, next_pow2(T)) if INTERPRET else 8  # rows never mix: any block is exact
-    launch(_moe_route_kernel, (cdiv(T, block_t),), router_logits, weights, ids, T, E,
+    count = counts is not None
+    launch(_moe_route_kernel, (cdiv(T, block_t),), router_logits, weights, ids,
+           counts if count else ids, rows if count else ids, T, E,
            router_logits.stride(0), router_logits.stride(1), TOP_K=top_k,
-           SOFTMAX_FIRST=softmax_first, RENORMALIZE=renormalize, BLOCK_T=block_t,
+           SOFTMAX_FIRST=softmax_first, RENORMALIZE=renormalize, COUNT=count, BLOCK_T=block_t,
            BLOCK_E=next_pow2(E), BLOCK_K=next_pow2(top_k))
     return weights, ids
 

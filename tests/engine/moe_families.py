@@ -6,6 +6,8 @@ among sparse ones; GQA; windows), compared in fp32 as the dense families are (te
 
 - the runner's logits over a chunked prefill and decode steps vs transformers' full-sequence
   logits, relative L2 < 1e-4 and every logprob within 2e-4;
+- int8 weights (``--quantization int8``, experts included): the same bounds against
+  transformers holding the int8 codes' dequantized values (the router stays float);
 - ``LLM.generate`` (one config per family, the richer one): greedy 32 tokens equal to
   ``transformers.generate`` with chunked prefill, a prefix-cache hit and a preemption in the
   same run, logprobs and the top 5 as transformers'; batch invariance: a prompt's tokens and
@@ -125,6 +127,42 @@ def test_the_config_says_which_layers_are_sparse(family):
 def test_logits_match_transformers_over_prefill_and_decode(family):
     name, hf, path = family
     check_logits(name, hf, path, 44)
+
+
+def int8_dequantized(hf):
+    """A copy of ``hf`` whose weights are what --quantization int8 serves: every projection
+    (attention, dense and shared MLPs, each expert) per output row through int8 codes and back;
+    the routers, the shared expert's gate, embeddings, norms and the LM head as they are."""
+    import copy
+
+    from tinyserve.engine.loading.quantize import quantize_experts_int8
+
+    hf = copy.deepcopy(hf)
+    keep = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if not name.startswith("model.layers.") or name.endswith(keep) or param.dim() < 2:
+                continue
+            w = param.data if param.dim() == 3 else param.data[None]
+            q, scale = quantize_experts_int8(w)
+            param.data.copy_((q.float() * scale[..., None]).reshape(param.shape))
+    return hf
+
+
+def test_int8_experts_equal_their_dequantized_weights(family):
+    """--quantization int8 on an MoE model keeps the experts as int8 codes (a per-row scale per
+    expert, kernels/moe.py) and computes what the dequantized weights compute."""
+    name, hf, path = family
+    from tinyserve.engine.loading.checkpoint import load_weights
+    from tinyserve.engine.loading.model_config import load_model_config
+
+    cfg = load_model_config(path)
+    w = load_weights(path, cfg, torch.float32, "cpu", quantization="int8")
+    sparse = [layer.experts for layer in w.layers if layer.experts is not None]
+    assert sparse and all(e.w13.dtype == e.w2.dtype == torch.int8 for e in sparse)
+    assert all(e.router.weight.dtype == torch.float32 for e in sparse)
+    assert w.nbytes() < w.nbytes(as_float=torch.float32) / 2
+    check_logits(name, int8_dequantized(hf), path, 44, quantization="int8")
 
 
 def test_greedy_generation_and_logprobs_through_llm(whole_run):

@@ -142,10 +142,11 @@ def test_logits_match_transformers_over_prefill_and_decode(family):
     check_logits(name, hf, path, min(44, LENGTH_DEPENDENT.get(name, 128)))
 
 
-def check_logits(name: str, hf, path, length: int) -> None:
+def check_logits(name: str, hf, path, length: int, quantization: str | None = None) -> None:
     """A prefill in two chunks (the second starting mid-block) and three decode steps: relative
     L2 < 1e-4 against transformers' full-sequence logits, every logprob within 2e-4."""
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=BLOCK)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=BLOCK,
+              quantization=quantization)
     ids = prompt(1, length)
     n = len(ids) - 3
     with torch.no_grad():

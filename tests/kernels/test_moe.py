@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.dtypes import bf16
+from tinyserve.engine.loading.quantize import quantize_experts_int8
 from tinyserve.kernels import fused_moe, moe_align, moe_combine, moe_down, moe_gate_up, moe_route
 from tinyserve.kernels.utils import Recording, recording
 
@@ -292,3 +293,98 @@ def test_a_shared_expert_is_added_through_its_sigmoid_gate(device, dtype, atol, 
     ref = moe_ref(x, logits, w13, w2, 2, True, False, "silu").float() \
         + torch.sigmoid(gate.float()) * shared.float()
     torch.testing.assert_close(got, ref.to(dtype), atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------ int8 experts
+
+def int8_experts(w13, w2, device):
+    q13, s13 = quantize_experts_int8(w13.float().cpu())
+    q2, s2 = quantize_experts_int8(w2.float().cpu())
+    deq = lambda q, s: (q.float() * s[:, :, None])  # noqa: E731
+    return ([t.to(device) for t in (q13, s13, q2, s2)],
+            deq(q13, s13).to(device, w13.dtype), deq(q2, s2).to(device, w2.dtype))
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("case", [0, 2, 3, 5])
+def test_int8_experts_equal_their_dequantized_weights(device, dtype, atol, rtol, case):
+    """Codes and a per-row scale per expert: the same result as the float kernel on the
+    dequantized weights, up to where the scale is applied (the accumulator, not each weight)."""
+    T, E, k, D, n_ff, softmax_first, renormalize, activation, bias = FUSED_CASES[case]
+    g = torch.Generator().manual_seed(20 + case)
+    x, logits, w13, w2, b13, b2 = make_moe(T, E, D, n_ff, g, device, dtype, bias,
+                                           gate_scale=4.0 if activation == "swiglu_oai" else 1.0)
+    (q13, s13, q2, s2), w13_dq, w2_dq = int8_experts(w13, w2, device)
+    got = fused_moe(x, logits, q13, q2, k, softmax_first=softmax_first, renormalize=renormalize,
+                    activation=activation, w13_bias=b13, w2_bias=b2, w13_scale=s13, w2_scale=s2)
+    ref = moe_ref(x, logits, w13_dq, w2_dq, k, softmax_first, renormalize, activation, b13, b2)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES[:2])
+def test_int8_experts_on_the_gpu_tiles(device, dtype, atol, rtol, monkeypatch):
+    """The GPU's tiles (several K steps, the last partial; several column blocks) with codes;
+    and a token alone equals the token in the batch."""
+    monkeypatch.setattr(moe, "INTERPRET", False)
+    monkeypatch.setattr(routing, "INTERPRET", False)
+    g = torch.Generator().manual_seed(21)
+    x, logits, w13, w2, b13, b2 = make_moe(21, 6, 200, 72, g, device, dtype, bias=True)
+    (q13, s13, q2, s2), w13_dq, w2_dq = int8_experts(w13, w2, device)
+    run = lambda x, logits: fused_moe(x, logits, q13, q2, 2, softmax_first=True,  # noqa: E731
+                                      renormalize=True, w13_bias=b13, w2_bias=b2,
+                                      w13_scale=s13, w2_scale=s2)
+    got = run(x, logits)
+    ref = moe_ref(x, logits, w13_dq, w2_dq, 2, True, True, "silu", b13, b2)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    for i in (0, 20):
+        assert torch.equal(run(x[i:i + 1], logits[i:i + 1])[0], got[i])
+
+
+def test_int8_experts_refuse_bad_scales(device):
+    g = torch.Generator().manual_seed(22)
+    x, logits, w13, w2, _, _ = make_moe(3, 6, 48, 40, g, device, torch.float32)
+    (q13, s13, q2, s2), _, _ = int8_experts(w13, w2, device)
+    kw = dict(softmax_first=True, renormalize=True)
+    with pytest.raises(ValueError, match="must be the activations'"):
+        fused_moe(x, logits, q13, q2, 2, **kw)  # codes without scales
+    with pytest.raises(ValueError, match="scales must be fp32"):
+        fused_moe(x, logits, q13, q2, 2, w13_scale=s13[:, :8], w2_scale=s2, **kw)
+    with pytest.raises(ValueError, match="must be int8"):
+        fused_moe(x, logits, w13, w2, 2, w13_scale=s13, w2_scale=s2, **kw)
+
+
+# ------------------------------------------------------------------------------ expert load
+
+@pytest.mark.parametrize("T,E,k", [(1, 6, 2), (37, 60, 4), (9, 128, 8), (70, 6, 1)])
+def test_route_counts_each_experts_rows_with_a_slot(device, T, E, k, monkeypatch):
+    """counts[e] += rows with a KV slot (>= 0) that picked e; padding rows (-1) are not
+    counted; the counts accumulate over calls; routing itself is unchanged. The GPU's 8-row
+    programs too (several programs adding to one expert)."""
+    g = torch.Generator().manual_seed(T + E)
+    logits = (torch.randn(T, E, generator=g) * 2).to(device)
+    rows = torch.arange(T, dtype=torch.int64, device=device)
+    rows[T // 2:][::3] = -1  # padding among the rows
+    counts = torch.zeros(E, dtype=torch.int64, device=device)
+    want_w, want_ids = moe_route(logits, k, softmax_first=True, renormalize=True)
+    for interpret in (True, False):
+        monkeypatch.setattr(routing, "INTERPRET", interpret)
+        w, ids = moe_route(logits, k, softmax_first=True, renormalize=True, counts=counts,
+                           rows=rows)
+        assert torch.equal(w, want_w) and torch.equal(ids, want_ids)
+    kept = want_ids[rows >= 0].long().flatten()
+    assert torch.equal(counts, 2 * torch.bincount(kept, minlength=E))
+
+
+def test_fused_moe_counts_and_refuses_bad_counters(device):
+    g = torch.Generator().manual_seed(23)
+    x, logits, w13, w2, _, _ = make_moe(5, 6, 48, 40, g, device, torch.float32)
+    counts = torch.zeros(6, dtype=torch.int64, device=device)
+    rows = torch.tensor([0, 1, -1, 3, 4], device=device)
+    kw = dict(softmax_first=True, renormalize=True)
+    out = fused_moe(x, logits, w13, w2, 2, counts=counts, rows=rows, **kw)
+    assert torch.equal(out, fused_moe(x, logits, w13, w2, 2, **kw))
+    assert int(counts.sum()) == 4 * 2
+    with pytest.raises(ValueError, match="counts must be"):
+        fused_moe(x, logits, w13, w2, 2, counts=counts.int(), rows=rows, **kw)
+    with pytest.raises(ValueError, match="rows must be"):
+        fused_moe(x, logits, w13, w2, 2, counts=counts, rows=None, **kw)

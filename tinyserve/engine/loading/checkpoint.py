@@ -25,7 +25,11 @@ import torch
 from safetensors import safe_open
 
 from tinyserve.engine.loading.model_config import ModelConfig, ModelLoadError
-from tinyserve.engine.loading.quantize import quantize_int4_linear, quantize_int8
+from tinyserve.engine.loading.quantize import (
+    quantize_experts_int8,
+    quantize_int4_linear,
+    quantize_int8,
+)
 from tinyserve.engine.loading.quantized_checkpoints import (
     QuantFormat,
     check_g_idx,
@@ -115,9 +119,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if fmt is not None and quantization is not None:
         raise ModelLoadError(f"{model_dir}: already quantized ({fmt.method}, 4-bit); serve it "
                              f"without quantization={quantization!r}")
-    if cfg.num_experts and (fmt is not None or quantization is not None):
-        raise ModelLoadError(f"{model_dir}: quantized experts are not supported yet "
-                             f"({fmt.method if fmt else quantization}); serve the float weights")
+    if cfg.num_experts and (fmt is not None or quantization == "int4"):
+        raise ModelLoadError(f"{model_dir}: {fmt.method if fmt else 'int4'} experts are not "
+                             "supported yet; serve the float weights or quantization='int8'")
     reader = _TensorReader(_weight_files(Path(model_dir)))
     layers = _Layers(reader, cfg, fmt, quantization, dtype, device)
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -219,17 +223,23 @@ class _Layers:
                           shared_gate=Linear(self.dense(moe + "shared_expert_gate.weight",
                                                         (1, D))))
         if moe + "experts.gate_up_proj" in files:
-            w13 = self.dense(moe + "experts.gate_up_proj", (E, 2 * F, D))
-            w2 = self.dense(moe + "experts.down_proj", (E, D, F))
-            return ExpertWeights(router, w13, w2, **shared)
-        names = ("w1", "w3", "w2") if moe.endswith("block_sparse_moe.") else \
-            ("gate_proj", "up_proj", "down_proj")
-        gate, up, down = (f"{moe}experts.{{}}.{n}.weight" for n in names)
-        w13 = torch.stack([torch.cat([self.reader.get(gate.format(e), (F, D)),
-                                      self.reader.get(up.format(e), (F, D))]) for e in range(E)])
-        w2 = torch.stack([self.reader.get(down.format(e), (D, F)) for e in range(E)])
-        return ExpertWeights(router, w13.to(device=self.device, dtype=self.dtype).contiguous(),
-                             w2.to(device=self.device, dtype=self.dtype).contiguous(), **shared)
+            w13 = self.reader.get(moe + "experts.gate_up_proj", (E, 2 * F, D))
+            w2 = self.reader.get(moe + "experts.down_proj", (E, D, F))
+        else:
+            names = ("w1", "w3", "w2") if moe.endswith("block_sparse_moe.") else \
+                ("gate_proj", "up_proj", "down_proj")
+            gate, up, down = (f"{moe}experts.{{}}.{n}.weight" for n in names)
+            w13 = torch.stack([torch.cat([self.reader.get(gate.format(e), (F, D)),
+                                          self.reader.get(up.format(e), (F, D))])
+                               for e in range(E)])
+            w2 = torch.stack([self.reader.get(down.format(e), (D, F)) for e in range(E)])
+        dev = self.device
+        if self.quantization == "int8":  # the router stays float: it picks the experts
+            (q13, s13), (q2, s2) = quantize_experts_int8(w13), quantize_experts_int8(w2)
+            return ExpertWeights(router, q13.to(dev), q2.to(dev), **shared,
+                                 w13_scale=s13.to(dev), w2_scale=s2.to(dev))
+        return ExpertWeights(router, w13.to(device=dev, dtype=self.dtype).contiguous(),
+                             w2.to(device=dev, dtype=self.dtype).contiguous(), **shared)
 
 
 def _checkpoint_int4(reader: _TensorReader, fmt: QuantFormat, parts: tuple[tuple[str, int], ...],

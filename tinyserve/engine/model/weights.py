@@ -84,15 +84,22 @@ class ExpertWeights:
     w13: torch.Tensor  # [E, 2F, D]: each expert's gate rows, then its up rows
     w2: torch.Tensor  # [E, D, F]
     # Qwen2-MoE's shared expert: a dense MLP for every token, scaled by sigmoid(x shared_gate)
-    shared_gate_up: Linear | None = None  # [2S, D]
-    shared_down: Linear | None = None  # [D, S]
+    shared_gate_up: AnyLinear | None = None  # [2S, D]
+    shared_down: AnyLinear | None = None  # [D, S]
     shared_gate: Linear | None = None  # [1, D]
+    # int8 experts (--quantization int8): w13 / w2 hold codes, one fp32 scale per expert row
+    w13_scale: torch.Tensor | None = None  # [E, 2F]
+    w2_scale: torch.Tensor | None = None  # [E, D]
 
-    @property
-    def nbytes(self) -> int:
-        shared = [lin.weight for lin in (self.shared_gate_up, self.shared_down,
-                                         self.shared_gate) if lin is not None]
-        return _bytes(self.router.weight, self.w13, self.w2, *shared)
+    def nbytes(self, as_float: torch.dtype | None = None) -> int:
+        """Bytes of the router and experts; with ``as_float``, as if the experts were float."""
+        shared = sum(lin.nbytes for lin in (self.shared_gate_up, self.shared_down,
+                                            self.shared_gate) if lin is not None)
+        if as_float is not None and self.w13_scale is not None:
+            return shared + _bytes(self.router.weight) + \
+                (self.w13.numel() + self.w2.numel()) * as_float.itemsize
+        return shared + _bytes(self.router.weight, self.w13, self.w2, self.w13_scale,
+                               self.w2_scale)
 
 
 @dataclass(slots=True)
@@ -137,5 +144,5 @@ class ModelWeights:
             total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
                          if x is not None)
             if layer.experts is not None:
-                total += layer.experts.nbytes
+                total += layer.experts.nbytes(as_float)
         return total
