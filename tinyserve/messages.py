@@ -151,6 +151,9 @@ class StepResult(msgspec.Struct, frozen=True, tag=True):
     seconds: float = 0.0  # wall time of the forward pass + sampling
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     faults: tuple[SeqFault, ...] = ()  # sequences that ended by a fault of their own
+    # tokens routed to each expert so far, per sparse layer: ((layer, (count per expert)), ...);
+    # about once a second on a mixture-of-experts model, else None (engine/model/moe.py)
+    expert_load: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
 
 # -- api -> Admission -> Batcher -------------------------------------------------------------
@@ -276,6 +279,8 @@ class StepStats(msgspec.Struct, frozen=True, tag=True):
     # Speculation totals (None: not configured): verify steps, draft tokens, accepted ones,
     # and accepted by draft position
     spec: tuple[int, int, int, tuple[int, ...]] | None = None
+    # StepResult.expert_load, passed on when a step carried it
+    expert_load: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
 
 class RequestFinished(msgspec.Struct, frozen=True, tag=True):

@@ -140,7 +140,8 @@ class Server:
                                max(m.engine.max_num_batched_tokens for m in self.models),
                                namespace=self.cfg.metrics_namespace,
                                lora=any(i.max_loras for i in infos.values()),
-                               speculation=any(i.speculative for i in infos.values()))
+                               speculation=any(i.speculative for i in infos.values()),
+                               moe=any(i.num_experts for i in infos.values()))
         self.executor = Executor({name: e.runner for name, e in engines.items()})
         lanes = []
         for spec in self.models:

@@ -265,3 +265,28 @@ def test_observe_many_counts_as_observe_does():
                if not s.name.endswith("_created")]
     assert samples == [(s.name, s.labels, s.value) for m in r2.collect() for s in m.samples
                        if not s.name.endswith("_created")]
+
+
+def test_expert_load_window_is_max_over_mean_since_the_window_began():
+    from tinyserve.actors.expert_load import ExpertLoadWindow
+
+    w = ExpertLoadWindow(window_s=10.0)
+    assert w.add(0.0, ((1, (5, 5, 5, 5)), (3, (0, 0, 0, 0)))) == []  # a baseline only
+    # layer 1: +8 on expert 0, +0 on the rest (max 8 over mean 2: 4 = E, the worst);
+    # layer 3: +1 each (even: 1)
+    assert w.add(1.0, ((1, (13, 5, 5, 5)), (3, (1, 1, 1, 1)))) == [(1, 4.0), (3, 1.0)]
+    # 12 s on: the window starts at the snapshot of t = 1 (the newest at or before now - 10)
+    assert w.add(12.0, ((1, (13, 9, 9, 5)), (3, (1, 1, 1, 1)))) == [(1, 2.0)]
+    # the counters restarted (a reloaded model): a new baseline, nothing to report yet
+    assert w.add(13.0, ((1, (0, 0, 0, 0)),)) == []
+    assert w.add(14.0, ((1, (3, 1, 0, 0)),)) == [(1, 3.0)]
+
+
+def test_expert_load_imbalance_gauge_per_layer():
+    metrics = Metrics(max_model_len=128, max_num_batched_tokens=64, moe=True)
+    samples = scrape(metrics, step(expert_load=((0, (0, 0, 0)), (2, (0, 0, 0)))),
+                     step(expert_load=((0, (6, 0, 0)), (2, (2, 2, 2)))), step())
+    name = "tinyserve:moe_expert_load_imbalance"
+    assert value(samples, name, model="m", layer="0") == 3.0
+    assert value(samples, name, model="m", layer="2") == 1.0
+    assert len(samples[name]) == 2

@@ -32,6 +32,7 @@ HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds",
 GAUGES = {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
           "degradation_level", "slo_limit"}
 LORA_GAUGES = {"lora_requests_info"}  # only where a model serves LoRA adapters
+MOE_GAUGES = {"moe_expert_load_imbalance"}  # only where a model has experts
 INFOS = {"cache_config"}  # exported as cache_config_info
 COUNTERS = {"prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
             "prompt_tokens_computed", "num_preemptions", "request_success", "request_errors",
@@ -48,7 +49,7 @@ METRIC_TOKEN = re.compile(r"tinyserve:[a-zA-Z0-9_:]+")
 def exported_names() -> set[str]:
     """Every series name the server can expose: histogram suffixes only on histograms,
     _total only on counters, _info only on the info."""
-    names = {P + g for g in GAUGES | LORA_GAUGES}
+    names = {P + g for g in GAUGES | LORA_GAUGES | MOE_GAUGES}
     names |= {P + h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
     names |= {P + c + "_total" for c in COUNTERS | LORA_COUNTERS | SPEC_COUNTERS}
     names |= {P + i + "_info" for i in INFOS}
@@ -191,6 +192,9 @@ def test_exported_list_matches_the_server() -> None:
     spec = {(P + n, "counter") for n in SPEC_COUNTERS}
     got = {(f.name, f.type) for f in Metrics(64, 64, speculation=True).registry.collect()}
     assert got == expected | spec
+    moe = {(P + n, "gauge") for n in MOE_GAUGES}
+    got = {(f.name, f.type) for f in Metrics(64, 64, moe=True).registry.collect()}
+    assert got == expected | moe
 
 
 def test_anchor() -> None:

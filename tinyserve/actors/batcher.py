@@ -291,7 +291,7 @@ class Batcher:
                 self._end(req, seq.finish_reason)
         replies.stepped()
         self._tick()
-        self._emit_stats(tokens)
+        self._emit_stats(tokens, result.expert_load)
 
     def _constraint_failed(self, req: Request) -> None:
         """Its constraints could not go on: never a normal finish (that would pass off an
@@ -340,7 +340,7 @@ class Batcher:
             itl_seconds=itls, max_tokens=seq.params.max_tokens, n=req.n,
             adapter="" if seq.adapter is None else seq.adapter.name))
 
-    def _emit_stats(self, num_tokens: int) -> None:
+    def _emit_stats(self, num_tokens: int, expert_load: tuple | None = None) -> None:
         sched, kv = self.core.scheduler, self.core.kv
         self._metrics.emit(StepStats(
             num_tokens=num_tokens, num_running=sched.num_running, num_waiting=sched.num_waiting,
@@ -349,7 +349,7 @@ class Batcher:
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             slo_limit=self.slo.limit if self.slo.enabled else 0,
             degradation_level=self.slo.level, model=self.model, lora=self._lora_stats(),
-            spec=None if sched.spec is None else sched.spec.totals))
+            spec=None if sched.spec is None else sched.spec.totals, expert_load=expert_load))
 
     def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...], int, int] | None:
         """(adapters running, adapters waiting, slots, loads so far); None without adapters.

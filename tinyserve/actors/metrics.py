@@ -20,6 +20,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from tinyserve.actors.expert_load import EXPERT_WINDOW_S, ExpertLoadWindow
 from tinyserve.config import METRICS_NAMESPACES
 from tinyserve.messages import (
     AdmissionRejected,
@@ -66,7 +67,8 @@ def iteration_buckets(max_tokens: int) -> list[int]:
 
 class Metrics:
     def __init__(self, max_model_len: int, max_num_batched_tokens: int, inbox_size: int = 10_000,
-                 namespace: str = "tinyserve", lora: bool = False, speculation: bool = False):
+                 namespace: str = "tinyserve", lora: bool = False, speculation: bool = False,
+                 moe: bool = False):
         if namespace not in METRICS_NAMESPACES:
             raise ValueError(f"metrics_namespace must be one of {', '.join(METRICS_NAMESPACES)}, "
                              f"got {namespace!r}")
@@ -75,7 +77,7 @@ class Metrics:
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_size)
         self._request_series(token_buckets(max_model_len))
         self._step_series(iteration_buckets(max_num_batched_tokens))
-        self._feature_series(lora, speculation)
+        self._feature_series(lora, speculation, moe)
         self._admission_series()
         self._totals: dict[tuple[str, str], int] = {}  # (model, counter) -> last total seen
 
@@ -152,10 +154,15 @@ class Metrics:
         self.slo_limit = per_model(G, "slo_limit", "Requests the SLO controller lets the server "
                                    "hold (running + waiting); 0 without --slo-*")
 
-    def _feature_series(self, lora: bool, speculation: bool) -> None:
-        """Speculation's and LoRA's series (only where a model has them: no empty families),
-        and vLLM's deprecated names under vllm:."""
+    def _feature_series(self, lora: bool, speculation: bool, moe: bool) -> None:
+        """Speculation's, LoRA's and the experts' series (only where a model has them: no
+        empty families), and vLLM's deprecated names under vllm:."""
         per_model, H, G, C = self._per_model, Histogram, Gauge, Counter
+        self.moe_imbalance = None if not moe else per_model(
+            G, "moe_expert_load_imbalance", "Mixture-of-experts models: per sparse layer, the "
+            f"busiest expert's tokens over the mean expert's, over the last {EXPERT_WINDOW_S:g} "
+            "s (1: even; the number of experts / top k at worst)", "layer")
+        self._expert_windows: dict[str, ExpertLoadWindow] = {}
         # Speculative decoding (only where configured), vLLM's names
         self.spec = None
         if speculation:
@@ -313,6 +320,10 @@ class Metrics:
                 if n > last:
                     c_pos.labels(m, m, str(pos)).inc(n - last)
                     self._totals[m, key] = n
+        if ev.expert_load is not None and self.moe_imbalance is not None:
+            window = self._expert_windows.setdefault(m, ExpertLoadWindow())
+            for layer, ratio in window.add(time.monotonic(), ev.expert_load):
+                self.moe_imbalance.labels(m, m, str(layer)).set(ratio)
         if ev.lora is not None and self.lora_info is not None:
             running, waiting, max_lora, loads = ev.lora
             self.lora_info.clear()  # one sample: the state now

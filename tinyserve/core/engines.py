@@ -47,6 +47,7 @@ class EngineInfo:
     max_lora_rank: int = 0
     lora_dims: ModelDims | None = None  # what an adapter must fit (core/adapters.py)
     speculative: SpeculativeConfig | None = None  # what its runner was built for (None: off)
+    num_experts: int = 0  # a mixture of experts' experts per sparse layer (0: dense)
 
 
 @runtime_checkable

@@ -70,7 +70,8 @@ class DeviceEngine:
             architecture=mcfg.architecture,
             kv_window=mcfg.sliding_window if mcfg.every_layer_windowed else None,
             max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank if cfg.max_loras else 0,
-            speculative=cfg.speculative, lora_dims=None if lora is None else lora[2])
+            speculative=cfg.speculative, lora_dims=None if lora is None else lora[2],
+            num_experts=mcfg.num_experts)
         self.grammars = _grammar_compiler(self.tokenizer, mcfg.vocab_size, cfg)
         self.runner.logits.grammars = self.grammars
         self._log_loaded(kv_spec, time.perf_counter() - t0)
@@ -249,7 +250,7 @@ def _runner(cfg: EngineConfig, mcfg: Any, weights: Any, kv_spec: Any, max_model_
     from tinyserve.engine.running.runner import ModelRunner
 
     model = DecoderModel(mcfg, weights, rope_tables(mcfg, max_model_len, device),
-                         lora=None if lora is None else lora[0])
+                         lora=None if lora is None else lora[0], count_experts=True)
     runner = ModelRunner(model, mcfg, kv_spec, device, max_num_seqs=cfg.max_num_seqs,
                          max_model_len=max_model_len, enforce_eager=cfg.enforce_eager,
                          host_adapters=None if lora is None else lora[1])

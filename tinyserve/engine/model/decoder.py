@@ -31,7 +31,7 @@ from tinyserve.engine.model.kv_cache import KVCache, LayerKV
 from tinyserve.engine.model.linear import Projector, linear
 from tinyserve.engine.model.lora import LoraStacks
 from tinyserve.engine.model.mlp import DenseMLP
-from tinyserve.engine.model.moe import SparseMoE
+from tinyserve.engine.model.moe import ExpertLoad, SparseMoE
 from tinyserve.engine.model.rope import RopeTables
 from tinyserve.engine.model.weights import LayerWeights, ModelWeights
 from tinyserve.kernels import add_rmsnorm, gather_rows
@@ -74,7 +74,7 @@ class DecoderLayer:
 
 class DecoderModel:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: RopeTables,
-                 lora: LoraStacks | None = None) -> None:
+                 lora: LoraStacks | None = None, count_experts: bool = False) -> None:
         self.cfg = cfg
         self.w = weights
         self.rope = rope
@@ -82,6 +82,10 @@ class DecoderModel:
         # Gemma scales embeddings by sqrt(hidden), rounded to the model dtype (transformers)
         self.embed_scale = None if cfg.embed_scale is None else float(
             torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
+        sparse = [i for i, w in enumerate(weights.layers) if w.experts is not None]
+        # per-expert token counts for /metrics (the served model's; a draft's are not counted)
+        self.expert_load = ExpertLoad(sparse, cfg.num_experts, weights.embed.device) \
+            if count_experts and sparse else None
         self.layers = []
         for i, w in enumerate(weights.layers):
             project = Projector(i, lora)
@@ -93,7 +97,8 @@ class DecoderModel:
 
     def _feed_forward(self, i: int, w: LayerWeights, project: Projector) -> FeedForward:
         if w.experts is not None:
-            return SparseMoE(self.cfg, w.experts)
+            load = self.expert_load
+            return SparseMoE(self.cfg, w.experts, None if load is None else load.row(i))
         return DenseMLP(self.cfg, w, project)
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None

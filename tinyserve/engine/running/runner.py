@@ -59,6 +59,11 @@ from tinyserve.messages import (
 log = logging.getLogger(__name__)
 
 
+# How often the expert counters (engine/model/moe.py) are copied to the host with a step's
+# tokens: the load gauge's window is tens of seconds, so once a second is plenty.
+EXPERT_LOAD_EVERY_S = 1.0
+
+
 class ModelRunner:
     fills_on_device = True  # (core/engines.Runner) placeholders from its last step's tokens
 
@@ -95,6 +100,7 @@ class ModelRunner:
         self._prev_tokens: torch.Tensor | None = None  # the step before the one launching
         self._sampling: tuple[torch.Tensor, list[ScheduledSeq]] | None = None
         self.faults = StepFaults(cfg.vocab_size)  # what a request's own fault ends
+        self._load_read_at = 0.0  # when the expert counters next ride along a readback
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -172,7 +178,16 @@ class ModelRunner:
         faults = self.faults.ended(launched.faults, poisoned)
         return StepResult(step_id=launched.step_id, outputs=outputs,
                           seconds=time.perf_counter() - launched.t0,
-                          prompt_logprobs=launched.prompt_logprobs, faults=faults)
+                          prompt_logprobs=launched.prompt_logprobs, faults=faults,
+                          expert_load=self._expert_load(launched))
+
+    def _expert_load(self, launched: Launched) -> tuple | None:
+        """The expert counters where this step's readback carried them (already waited for)."""
+        rb = launched.readback
+        if rb is None or len(rb.host) < 5:
+            return None
+        return tuple(zip(self.model.expert_load.layers, map(tuple, rb.host[4].tolist()),
+                         strict=True))
 
     def _with_drafts(self, seqs: list[ScheduledSeq], rows: list[int]) -> list[ScheduledSeq]:
         """Verify entries whose drafts the draft model proposes: proposed (the table rows
@@ -323,8 +338,12 @@ class ModelRunner:
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
             processed=self.logits.processed(logits, seqs), allowed=allowed)
         self._prev = ({s.seq_id: i for i, s in enumerate(seqs)}, tokens)
+        extra = []
+        load = self.model.expert_load
+        if load is not None and time.perf_counter() >= self._load_read_at:
+            extra, self._load_read_at = [load.counts], time.perf_counter() + EXPERT_LOAD_EVERY_S
         return Launched(0, 0.0, seqs, masks, failed,
-                        Readback([tokens, logprobs, top_ids, top_lps]))
+                        Readback([tokens, logprobs, top_ids, top_lps, *extra]))
 
     def sampling_tensors(self, n: int, seqs: list[ScheduledSeq] | None = None
                          ) -> tuple[torch.Tensor, ...]:

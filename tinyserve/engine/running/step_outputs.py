@@ -24,7 +24,7 @@ class Launched:
     sampled: list[ScheduledSeq] = field(default_factory=list)  # the rows that draw a token
     masks: np.ndarray | None = None  # their grammar masks (host)
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rows whose grammar failed
-    readback: Readback | None = None  # tokens, logprobs, top ids, top logprobs
+    readback: Readback | None = None  # tokens, logprobs, top ids, top logprobs[, expert load]
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     faults: dict[int, tuple[str, str]] = field(default_factory=dict)  # seq id -> (reason, why)
 
@@ -40,7 +40,7 @@ def step_outputs(launched: Launched, logits: LogitsProcessors
     sequence whose logits were not finite (its logprob is NaN: the sampling kernel's
     logsumexp takes every allowed logit) becomes a SeqFault instead; the other rows go on."""
     seqs, masks = launched.sampled, launched.masks
-    tokens, logprobs, top_ids, top_lps = launched.readback.wait()
+    tokens, logprobs, top_ids, top_lps = launched.readback.wait()[:4]  # (5th: expert load)
     tokens_l, lps_l = tokens.tolist(), logprobs.tolist()
     # A row whose constraints leave nothing drew a banned token: it ends instead, with
     # EOS where the request allows it, else with an error (never the banned token).
