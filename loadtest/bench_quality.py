@@ -25,9 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined (no-op on a GPU box)
+# (appended: an installed package - Hugging Face's `kernels` - keeps its name over our kernels/)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/ is not a package on the path
 
 PROMPTS = ("Once upon a time", "Tom and Sue went to the", "The little dog", "One day, a bird")
 CONFIGS = [  # (row label, LLM keyword arguments)

@@ -149,10 +149,11 @@ def int8_dequantized(hf):
     return hf
 
 
-def test_int8_experts_equal_their_dequantized_weights(family):
+def test_int8_experts_equal_their_dequantized_weights(whole_run):
     """--quantization int8 on an MoE model keeps the experts as int8 codes (a per-row scale per
-    expert, kernels/moe.py) and computes what the dequantized weights compute."""
-    name, hf, path = family
+    expert, kernels/moe.py) and computes what the dequantized weights compute (one config per
+    family: the kernels' int8 path has its own tests over awkward shapes)."""
+    name, hf, path = whole_run
     from tinyserve.engine.loading.checkpoint import load_weights
     from tinyserve.engine.loading.model_config import load_model_config
 
