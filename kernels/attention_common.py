@@ -157,12 +157,23 @@ def attend_paged(q, q_pos, q_slot, m_i, l_i, acc,
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def add_sink(m_i, l_i, acc, sinks_ptr, q_head, row_ok):
+    """gpt-oss's attention sink: one more logit per head (``sinks`` [Hq], natural-log units)
+    in every row's softmax, with no value behind it; it only grows the denominator. On the
+    unnormalized state (m, l, acc) of attend_paged, before acc / l."""
+    s = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)  # m_i = -inf (no keys): 0
+    return m_new, l_i * alpha + tl.exp2(s - m_new), acc * alpha[:, None]
+
+
 class HeadParams:
     """Launcher-side view of the head layout shared by both attention kernels."""
 
     def __init__(self, q, k_cache, v_cache, block_tables, sm_scale: float | None,
                  k_scale=None, v_scale=None, window: int | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, sinks=None):
         check(q.dim() == 3 and q.stride(2) == 1, "q must be [T, Hq, head_dim] with unit last stride")
         check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape
               and k_cache.stride() == v_cache.stride(),
@@ -192,7 +203,13 @@ class HeadParams:
         check(softcap is None or softcap > 0, f"softcap must be > 0, got {softcap}")
         self.window = window or 0
         self.cap_log2 = (softcap or 0.0) * LOG2E
-        self.flags = {"WINDOW": window is not None, "SOFTCAP": softcap is not None}
+        if sinks is not None:
+            check(sinks.shape == (self.num_heads,) and sinks.dtype.is_floating_point
+                  and sinks.is_contiguous() and sinks.device == q.device,
+                  f"sinks must be a contiguous float [{self.num_heads}] (one per query head)")
+        self.sinks = sinks if sinks is not None else q  # (q: a pointer never read)
+        self.flags = {"WINDOW": window is not None, "SOFTCAP": softcap is not None,
+                      "SINKS": sinks is not None}
         self.kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         self.kv_grid = -(-self.num_kv_heads // self.heads_per_prog)
         # (an unquantized cache passes its own tensors where the scales would go: never read)

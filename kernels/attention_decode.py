@@ -10,7 +10,8 @@ Stage 2 merges the splits:  out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),
 With a single split stage 1 writes ``out`` directly. ``split_size`` is fixed per process, so the
 split of a sequence depends on its own length only (batch invariant). With a sliding window,
 splits wholly before a sequence's window are skipped in both stages (its first split is
-(len - window) // split_size, again a function of its own length).
+(len - window) // split_size, again a function of its own length). Sinks (gpt-oss: a logit per
+head with no value) join the softmax once: in stage 1 with a single split, else in the merge.
 Layouts: q, out [B, Hq, Dh]; caches [num_blocks, block_size, Hk, Dh]; block_tables
 [B, max_blocks] int32, or [R, max_blocks] with ``table_rows`` [B] naming each sequence's row
 (a persistent table); seq_lens [B] (including the query token, already in the cache). An int8 cache comes with
@@ -23,14 +24,20 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout, window_start
+from tinyserve.kernels.attention_common import (
+    HeadParams,
+    add_sink,
+    attend_paged,
+    tile_layout,
+    window_start,
+)
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 
 @triton.jit
 def _token_attention_paged_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, table_rows_ptr, b_seq_len_ptr,
+    block_tables_ptr, table_rows_ptr, b_seq_len_ptr, sinks_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_sb, stride_ss, stride_btb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
@@ -38,7 +45,7 @@ def _token_attention_paged_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     SEQ_SLOTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, SINGLE_SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr,
-    DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq0 = tl.program_id(0).to(tl.int64) * SEQ_SLOTS
     pid_h = tl.program_id(1)
@@ -83,6 +90,8 @@ def _token_attention_paged_kernel(
             col_ok, c_kvh, loop_lo, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2,
             window, cap_log2, BLOCK_N, KEYS, BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC, WINDOW,
             SOFTCAP)
+        if SINKS and SINGLE_SPLIT:  # (with splits, the merge adds it once)
+            m_i, l_i, acc = add_sink(m_i, l_i, acc, sinks_ptr, q_head, row_ok)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows without keys in this split: not stored
         acc = acc / l_safe[:, None]
         if SINGLE_SPLIT:
@@ -97,10 +106,11 @@ def _token_attention_paged_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, b_seq_len_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, b_seq_len_ptr, sinks_ptr,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     num_heads, head_dim, split_size, window,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     # Splits are merged BLOCK_S at a time with a running max (as online softmax does), so a
     # 128k context (256 splits) keeps a [BLOCK_H, BLOCK_S, BLOCK_D] tile in registers instead
@@ -134,6 +144,8 @@ def _merge_splits_kernel(
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=1)
         l_sum = l_sum * alpha + tl.sum(w, axis=1)
         m = m_new
+    if SINKS:  # one more term: 2^(sink - m) in the denominator, nothing in the sum
+        m, l_sum, acc = add_sink(m, l_sum, acc, sinks_ptr, offs_h, h_ok)
     merged = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
              merged.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
@@ -155,10 +167,12 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           table_rows: torch.Tensor | None = None,
                           k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None, window: int | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+                          softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, Dh] -> out: [B, Hq, Dh]. ``max_seq_len`` (host int) sizes the split grid;
-    ``window`` and ``softcap`` as in context_attention_paged."""
-    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale, window, softcap)
+    ``window``, ``softcap`` and ``sinks`` as in context_attention_paged."""
+    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale, window, softcap,
+                    sinks)
     B = q.shape[0]
     check(seq_lens.shape == (B,), "seq_lens must be [B]")
     check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
@@ -185,7 +199,7 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     rows = max(16, slots * hp.heads_per_prog * hp.block_g)
     launch(_token_attention_paged_kernel, (cdiv(B, slots), hp.kv_grid, num_splits),
         q, k_cache, v_cache, *hp.scales, out, part_out, part_lse, block_tables,
-        table_rows if table_rows is not None else seq_lens, seq_lens,
+        table_rows if table_rows is not None else seq_lens, seq_lens, hp.sinks,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
         *hp.scale_strides, block_tables.stride(0), *p_strides, *l_strides,
         hp.sm_scale_log2, B, hp.num_kv_heads, hp.head_dim, split_size, hp.window, hp.cap_log2,
@@ -198,8 +212,8 @@ def token_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if not single:
         block_h = next_pow2(hp.num_heads) if INTERPRET else 1
         launch(_merge_splits_kernel, (B, cdiv(hp.num_heads, block_h)),
-            part_out, part_lse, out, seq_lens, *p_strides, *l_strides,
+            part_out, part_lse, out, seq_lens, hp.sinks, *p_strides, *l_strides,
             out.stride(0), out.stride(1), hp.num_heads, hp.head_dim, split_size, hp.window,
             BLOCK_H=block_h, BLOCK_S=MERGE_SPLITS, BLOCK_D=next_pow2(hp.head_dim),
-            WINDOW=hp.flags["WINDOW"])
+            WINDOW=hp.flags["WINDOW"], SINKS=hp.flags["SINKS"])
     return out

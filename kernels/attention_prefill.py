@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.attention_common import HeadParams, attend_paged, tile_layout, window_start
+from tinyserve.kernels.attention_common import (
+    HeadParams,
+    add_sink,
+    attend_paged,
+    tile_layout,
+    window_start,
+)
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch
 
 
@@ -31,14 +37,14 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty
 def _context_attention_paged_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr,
     table_rows_ptr, b_seq_len_ptr,
-    b_q_start_ptr,
+    b_q_start_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_sb, stride_ss, stride_btb,
     sm_scale_log2, num_kv_heads, head_dim, window, cap_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -79,6 +85,8 @@ def _context_attention_paged_kernel(
             col_ok, c_kvh, lo, hi, stride_kb, stride_ks, stride_sb, stride_ss, sm_scale_log2,
             window, cap_log2, BLOCK_N, BLOCK_N, BLOCK_SIZE, QUANT, HEADS_PER_PROG, DOT_PREC,
             WINDOW, SOFTCAP)
+        if SINKS:
+            m_i, l_i, acc = add_sink(m_i, l_i, acc, sinks_ptr, q_head, row_ok)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + m_idx)[:, None] * stride_ot + q_head[:, None] * stride_oh + c_d[None, :]
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
@@ -92,14 +100,17 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             table_rows: torch.Tensor | None = None,
                             k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None, window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, Dh] -> out: [T, Hq, Dh]. ``max_q_len`` (host int) sizes the grid; ``window``:
-    a sliding window (keys within ``window`` of the query); ``softcap``: score soft-capping.
+    a sliding window (keys within ``window`` of the query); ``softcap``: score soft-capping;
+    ``sinks`` [Hq]: a logit per head in every softmax with no value (gpt-oss).
 
     Tile sizes depend only on the model, never on the batch, so a row's numbers do not change
     with what else is batched with it (greedy outputs are batch invariant).
     """
-    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale, window, softcap)
+    hp = HeadParams(q, k_cache, v_cache, block_tables, sm_scale, k_scale, v_scale, window, softcap,
+                    sinks)
     B = seq_lens.shape[0]
     check(q_start.shape == (B + 1,), "q_start must be [B + 1]")
     check(block_tables.shape[0] == B if table_rows is None else table_rows.shape == (B,),
@@ -123,7 +134,7 @@ def context_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (B, hp.kv_grid, cdiv(max_q_len, block_m))
     launch(_context_attention_paged_kernel, grid,
         q, k_cache, v_cache, *hp.scales, out, block_tables,
-        table_rows if table_rows is not None else seq_lens, seq_lens, q_start,
+        table_rows if table_rows is not None else seq_lens, seq_lens, q_start, hp.sinks,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *hp.kv_strides,
         *hp.scale_strides, block_tables.stride(0), hp.sm_scale_log2, hp.num_kv_heads, hp.head_dim,
         hp.window, hp.cap_log2,

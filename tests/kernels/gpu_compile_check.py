@@ -256,6 +256,54 @@ FAMILY_SHAPES = [
 ]
 
 
+# (name, hidden, expert FFN, experts, top k, activation, softmax first, biases, shared FFN)
+MOE_SHAPES = [
+    ("qwen3-30b-a3b", 2048, 768, 128, 8, "silu", True, False, 0),
+    ("mixtral-8x7b", 4096, 14336, 8, 2, "silu", True, False, 0),
+    ("qwen2-moe-a2.7b", 2048, 1408, 60, 4, "silu", True, False, 5632),
+    ("gpt-oss-20b", 2880, 2880, 32, 4, "swiglu_oai", False, True, 0),
+    ("gpt-oss-120b", 2880, 2880, 128, 4, "swiglu_oai", False, True, 0),
+]
+
+
+def exercise_moe():
+    """The fused-MoE launchers at real MoE shapes in bf16, a decode step (16 tokens) and a
+    prefill (2048): routing (with the expert counters), the sort, both grouped GEMMs (float
+    and int8 experts, gpt-oss's biases and clamped SwiGLU), the combine (with Qwen2-MoE's
+    shared expert); and gpt-oss's attention (64 / 8 heads of 64, sinks, a window of 128 on
+    alternate layers) over float and int8 caches. Weights are uninitialised."""
+    bf = torch.bfloat16
+    e = lambda *s, dt=bf: torch.empty(*s, dtype=dt)  # noqa: E731
+    for _, D, F, E, k, act, softmax_first, bias, shared in MOE_SHAPES:
+        w13, w2 = e(E, 2 * F, D), e(E, D, F)
+        biases = dict(w13_bias=e(E, 2 * F), w2_bias=e(E, D)) if bias else {}
+        for T in (16, 2048):
+            extra = dict(shared=e(T, D), shared_gate=e(T, 1)) if shared else {}
+            K.fused_moe(e(T, D), e(T, E), w13, w2, k, softmax_first=softmax_first,
+                        renormalize=softmax_first, activation=act, counts=torch.zeros(
+                            E, dtype=torch.int64), rows=torch.arange(T), **biases, **extra)
+        if D == 2048 and not shared:  # int8 experts (--quantization int8)
+            q13, q2 = e(E, 2 * F, D, dt=torch.int8), e(E, D, F, dt=torch.int8)
+            for T in (16, 2048):
+                K.fused_moe(e(T, D), e(T, E), q13, q2, k, softmax_first=True, renormalize=True,
+                            w13_scale=e(E, 2 * F, dt=torch.float32),
+                            w2_scale=e(E, D, dt=torch.float32))
+    B, T, ctx, Hq, Hk, Dh = 16, 40, 8192, 64, 8, 64
+    sinks = e(Hq, dt=torch.float32)
+    kc, vc = e(64, 16, Hk, Dh), e(64, 16, Hk, Dh)
+    kq, vq = e(64, 16, Hk, Dh, dt=torch.int8), e(64, 16, Hk, Dh, dt=torch.int8)
+    ks, vs = e(64, 16, Hk, dt=torch.float16), e(64, 16, Hk, dt=torch.float16)
+    tables = torch.zeros((2 * B + 1, 512), dtype=torch.int32)
+    for window in (128, None):
+        for cache, scales in (((kc, vc), {}), ((kq, vq), dict(k_scale=ks, v_scale=vs))):
+            K.token_attention_paged(e(B, Hq, Dh), *cache, tables, torch.full((B,), ctx), ctx,
+                                    table_rows=torch.arange(B), window=window, sinks=sinks,
+                                    **scales)
+            K.context_attention_paged(e(T, Hq, Dh), *cache, tables, torch.tensor([20, ctx]),
+                                      torch.tensor([0, 20, 40]), 20, table_rows=torch.arange(2),
+                                      window=window, sinks=sinks, **scales)
+
+
 def exercise_families():
     """The launchers at each family's real shapes in bf16, with its switches: projection
     biases in the epilogue, q/k RMSNorm fused with rotary (float and int8 KV), (1 + w) norms,
@@ -424,7 +472,8 @@ def main() -> int:
         return warm_up_coverage()
     show_resources = "--resources" in sys.argv
     seen = set()
-    shapes = {"llama3-8b": exercise_llama3_8b, "families": exercise_families}
+    shapes = {"llama3-8b": exercise_llama3_8b, "families": exercise_families,
+              "moe": exercise_moe}
     for dtype in (torch.float16, torch.bfloat16, torch.float32, *shapes):
         captured.clear()
         shapes[dtype]() if dtype in shapes else exercise(dtype)

@@ -202,9 +202,11 @@ def test_decode_merges_more_splits_than_one_merge_tile(device):
         torch.testing.assert_close(out[b : b + 1], ref, atol=2e-5, rtol=1e-4)
 
 
-def ref_attention_ext(q, k, v, q_pos, window=None, softcap=None, scale=None):
+def ref_attention_ext(q, k, v, q_pos, window=None, softcap=None, scale=None, sinks=None):
     """ref_attention with transformers' sliding-window mask (p - window < n <= p), Gemma 2's
-    soft-capped scores and an explicit scale (query_pre_attn_scalar ** -0.5)."""
+    soft-capped scores, an explicit scale (query_pre_attn_scalar ** -0.5) and gpt-oss's sinks
+    (transformers' eager_attention_forward: a column of the head's sink logit in the softmax,
+    dropped after it)."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
@@ -217,6 +219,10 @@ def ref_attention_ext(q, k, v, q_pos, window=None, softcap=None, scale=None):
     if window is not None:
         keep = keep & (n > q_pos[:, None] - window)
     scores = scores.masked_fill(~keep[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hqn,nhd->qhd", probs, v)
     return torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
 
 
@@ -334,3 +340,71 @@ def test_a_sequence_whose_kv_overflows_never_reaches_the_sequences_beside_it(dev
     together = token_attention_paged(q, k_cache, v_cache, tables, seq_lens, max(lens))
     for b in (0, 2, 3, 4):
         assert torch.equal(together[b], alone[b][0]), b
+
+
+SINK_CASES = [
+    # (q_lens, ctx_lens, Hq, Hk, Dh, block_size, window): gpt-oss has GQA 8, head_dim 64,
+    # windows of 128 on alternate layers
+    ([5, 40], [0, 9], 8, 2, 64, 16, None),
+    ([70, 3], [90, 0], 6, 2, 24, 16, 33),  # a window: the sink beside fewer keys
+    ([1], [0], 4, 4, 16, 16, None),  # one key: the sink takes its share
+]
+
+
+def _sinks(Hq, device, seed):
+    """Sink logits from well below to well above the scores' range (one per head)."""
+    return (torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 3).to(device)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("q_lens,ctx_lens,Hq,Hk,Dh,block_size,window", SINK_CASES)
+def test_context_attention_with_sinks(device, dtype, atol, rtol, q_lens, ctx_lens, Hq, Hk, Dh,
+                                      block_size, window):
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, Hk, Dh, block_size, dtype, device,
+                                                 seed=sum(seq_lens) + 5)
+    T = sum(q_lens)
+    q = torch.randn(T, Hq, Dh, generator=torch.Generator().manual_seed(T + 2)).to(device, dtype)
+    sinks = _sinks(Hq, device, T)
+    q_start = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                           device=device)
+    out = context_attention_paged(q, k_cache, v_cache, tables,
+                                  torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                  q_start, max(q_lens), window=window, sinks=sinks)
+    for b, (ql, n) in enumerate(zip(q_lens, seq_lens)):
+        s = int(q_start[b])
+        pos = torch.arange(n - ql, n, device=device)
+        ref = ref_attention_ext(q[s:s + ql], *dense[b], pos, window, sinks=sinks)
+        torch.testing.assert_close(out[s:s + ql].float(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("seq_lens,Hq,Hk,Dh,block_size,window", [
+    ([1, 45], 8, 2, 64, 16, None), ([16, 100, 250], 6, 2, 24, 16, 33)])
+@pytest.mark.parametrize("split", [None, (32, 16)])
+def test_token_attention_with_sinks(device, dtype, atol, rtol, seq_lens, Hq, Hk, Dh,
+                                    block_size, window, split):
+    """One split: the sink joins in stage 1; several: once, in the merge (not per split)."""
+    split_size, block_n = split or (None, None)
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, Hk, Dh, block_size, dtype, device,
+                                                 seed=sum(seq_lens) + 6)
+    B = len(seq_lens)
+    q = torch.randn(B, Hq, Dh, generator=torch.Generator().manual_seed(B + 9)).to(device, dtype)
+    sinks = _sinks(Hq, device, B)
+    out = token_attention_paged(q, k_cache, v_cache, tables,
+                                torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                                max(seq_lens), split_size=split_size, block_n=block_n,
+                                window=window, sinks=sinks)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention_ext(q[b:b + 1], *dense[b], torch.tensor([n - 1], device=device),
+                                window, sinks=sinks)
+        torch.testing.assert_close(out[b:b + 1].float(), ref, atol=atol, rtol=rtol)
+
+
+def test_sinks_are_checked(device):
+    k_cache, v_cache, tables, _ = make_paged([4], 2, 16, 16, torch.float32, device, seed=1)
+    q = torch.randn(1, 4, 16, device=device)
+    lens = torch.tensor([4], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="sinks must be"):
+        token_attention_paged(q, k_cache, v_cache, tables, lens, 4,
+                              sinks=torch.zeros(2, device=device))

@@ -47,6 +47,13 @@ def test_all_kernels_compile_for_hopper():
     # debugging: some of its tiles spill (docs/limits.md).
     lines = [x for x in out.stdout.splitlines() if x.startswith("ok ")]
     assert sum(" families " in x for x in lines) >= 30, "the family shapes were compiled"
+    moe = [x for x in lines if " moe " in x]  # MoE shapes: each stage, int8 experts, sinks
+    for kernel in ("_moe_route_kernel", "_moe_count_kernel", "_moe_offsets_kernel",
+                   "_moe_place_kernel", "_moe_gemm_kernel", "_moe_combine_kernel",
+                   "_token_attention_paged_kernel", "_context_attention_paged_kernel",
+                   "_merge_splits_kernel"):
+        assert any(kernel in x for x in moe), kernel
+    assert any("'W_INT8': True" in x for x in moe) and any("'SINKS': True" in x for x in moe)
     spills = [x for x in lines if "torch.float32" not in x and "STACK:0 " not in x]
     assert not spills, "\n".join(spills)
 

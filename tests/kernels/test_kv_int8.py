@@ -227,3 +227,36 @@ def test_int8_cache_argument_errors(device):
     with pytest.raises(ValueError, match=r"\[num_blocks, block_size, Hk\]"):
         write_kv_cache(torch.zeros(1, 2, 8, device=device), torch.zeros(1, 2, 8, device=device),
                        kc, kc.clone(), one.long(), ks[:, :8], ks)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES[:2])
+@pytest.mark.parametrize("split", [None, (32, 16)])
+def test_sinks_and_a_window_over_an_int8_cache(device, dtype, atol, rtol, split):
+    """gpt-oss's shape of attention (sinks, a window on alternate layers) over int8 K/V:
+    decode with one split and several, and prefill."""
+    from tests.kernels.test_attention import ref_attention_ext
+
+    split_size, block_n = split or (None, None)
+    seq_lens, Hq, Hk, Dh, window = [9, 150], 8, 2, 64, 40
+    (kc, vc, ks, vs), tables, dense = make_paged_int8(seq_lens, Hk, Dh, 16, device, seed=77)
+    sinks = (torch.randn(Hq, generator=torch.Generator().manual_seed(3)) * 3).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(2, Hq, Dh, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    out = token_attention_paged(q, kc, vc, tables, lens, max(seq_lens), split_size=split_size,
+                                block_n=block_n, k_scale=ks, v_scale=vs, window=window,
+                                sinks=sinks)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention_ext(q[b:b + 1], *dense[b], torch.tensor([n - 1], device=device),
+                                window, sinks=sinks)
+        torch.testing.assert_close(out[b:b + 1].float(), ref, atol=atol, rtol=rtol)
+    q_lens = [4, 30]
+    qp = torch.randn(sum(q_lens), Hq, Dh, generator=torch.Generator().manual_seed(5)).to(
+        device, dtype)
+    q_start = torch.tensor([0, 4, 34], dtype=torch.int32, device=device)
+    out = context_attention_paged(qp, kc, vc, tables, lens, q_start, max(q_lens), k_scale=ks,
+                                  v_scale=vs, window=window, sinks=sinks)
+    for b, (ql, n) in enumerate(zip(q_lens, seq_lens)):
+        s = int(q_start[b])
+        ref = ref_attention_ext(qp[s:s + ql], *dense[b], torch.arange(n - ql, n, device=device),
+                                window, sinks=sinks)
+        torch.testing.assert_close(out[s:s + ql].float(), ref, atol=atol, rtol=rtol)
