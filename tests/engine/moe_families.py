@@ -1,6 +1,6 @@
 """Mixture-of-experts families against transformers, on random-weight checkpoints built here
 (the tests, run per family by tests/engine/test_moe_*.py):
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (float weights; kernels/moe.py's fused path). Two configs per
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (kernels/moe.py's fused path). Two configs per
 family with awkward sizes (6, 10 or 60 experts; top 1, 2, 4 or 8; a shared expert; dense layers
 among sparse ones; GQA; windows), compared in fp32 as the dense families are (test_families.py):
 
@@ -67,13 +67,33 @@ CONFIGS = {
     "olmoe_top8_renorm": ("OlmoeForCausalLM", dict(
         hidden_size=48, intermediate_size=24, num_hidden_layers=3, num_attention_heads=3,
         num_key_value_heads=3, num_experts=60, num_experts_per_tok=8, norm_topk_prob=True)),
+    # gpt-oss: sinks, biases everywhere, 6 experts top 2 (softmax over the two), a window of 24
+    # on alternate layers, YaRN without truncation (gpt-oss's own rope), GQA 2:1; hidden and
+    # expert sizes in MXFP4's groups of 32 (test_moe_gptoss.py writes it as MXFP4)
+    "gptoss_e6_top2_yarn": ("GptOssForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=6, num_experts_per_tok=2, sliding_window=24,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32})),
+    # 60 experts top 4, 3 layers (sliding, full, sliding), a window of 16, head_dim 8, GQA 3:1
+    "gptoss_e60_top4": ("GptOssForCausalLM", dict(
+        hidden_size=48, intermediate_size=24, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, num_local_experts=60, num_experts_per_tok=4,
+        sliding_window=16)),
 }
 
 
 def sharpen(name: str, param) -> None:
-    """Routers and experts drawn wider than transformers' init: routing decisions that matter."""
-    if name.endswith(("gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+    """Routers and experts drawn wider than transformers' init: routing decisions that matter;
+    gpt-oss's expert biases (zeros at init) and sinks (from below to above the scores)."""
+    if name.endswith(("gate.weight", "router.weight", "experts.gate_up_proj",
+                      "experts.down_proj")):
         param.normal_(0.0, 0.15)
+    elif name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+        param.normal_(0.0, 0.3)
+    elif name.endswith("self_attn.sinks"):
+        param.normal_(0.0, 1.5)
 
 
 def build(name: str, path):
@@ -107,7 +127,14 @@ def test_the_config_says_which_layers_are_sparse(family):
     cfg = load_model_config(path)
     c = hf.config
     sparse = [cfg.is_sparse(i) for i in range(cfg.num_layers)]
-    if name.startswith("olmoe"):
+    if name.startswith("gptoss"):
+        assert sparse == [True] * cfg.num_layers and cfg.attn_sinks and cfg.moe_biases
+        assert cfg.qkv_bias and cfg.o_bias and not cfg.moe_softmax_first
+        assert cfg.moe_activation == "swiglu_oai" and cfg.swiglu_limit == c.swiglu_limit
+        assert cfg.layer_types == tuple(c.layer_types) and cfg.sliding_window == c.sliding_window
+        assert (cfg.num_experts, cfg.experts_per_token) == (c.num_local_experts,
+                                                            c.num_experts_per_tok)
+    elif name.startswith("olmoe"):
         assert sparse == [True] * cfg.num_layers and cfg.qk_norm_whole and not cfg.qk_norm
         assert cfg.moe_renormalize == c.norm_topk_prob
     elif name.startswith("mixtral"):
@@ -138,14 +165,20 @@ def int8_dequantized(hf):
     from tinyserve.engine.loading.quantize import quantize_experts_int8
 
     hf = copy.deepcopy(hf)
-    keep = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+    keep = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight",
+            "router.weight", "bias", "sinks")
+    # gpt-oss holds its experts transposed ([E, D, 2F], [E, F, D]): rows are columns there
+    transposed = hf.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if not name.startswith("model.layers.") or name.endswith(keep) or param.dim() < 2:
                 continue
             w = param.data if param.dim() == 3 else param.data[None]
+            w = w.transpose(1, 2) if transposed and param.dim() == 3 else w
             q, scale = quantize_experts_int8(w)
-            param.data.copy_((q.float() * scale[..., None]).reshape(param.shape))
+            deq = q.float() * scale[..., None]
+            deq = deq.transpose(1, 2) if transposed and param.dim() == 3 else deq
+            param.data.copy_(deq.reshape(param.shape))
     return hf
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models through the server (issue 37): a Mixtral and a Qwen3-MoE
+"""Mixture-of-experts models through the server (issue 37): a Mixtral, a Qwen3-MoE and a gpt-oss
 random-weight checkpoint answer greedy completions with transformers' tokens, several at once,
 and /metrics shows each sparse layer's expert load imbalance."""
 
@@ -16,7 +16,7 @@ from tinyserve.config import EngineConfig
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["mixtral_e6_top2", "qwen3moe_e60_dense"])
+@pytest.mark.parametrize("name", ["mixtral_e6_top2", "qwen3moe_e60_dense", "gptoss_e60_top4"])
 def test_greedy_completions_equal_transformers(name, tmp_path, monkeypatch):
     from tinyserve.engine.device_engine import DeviceEngine
     from tinyserve.engine.running import runner

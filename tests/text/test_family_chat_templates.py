@@ -2,7 +2,8 @@
 tokenizer_config.json) render exactly as transformers' ``apply_chat_template`` renders them:
 Qwen2.5 (default system prompt, tools), Qwen3 (tools, thinking blocks, enable_thinking through
 chat_template_kwargs), Gemma 2 (no system role), Gemma 3 (system folded into the first user
-turn), Phi-3, Mistral v0.3 (``[INST]``, tools, 9-character call ids). And the hermes parser
+turn), Phi-3, Mistral v0.3 (``[INST]``, tools, 9-character call ids), gpt-oss (harmony:
+system, developer and channel turns; tools as a TypeScript namespace). And the hermes parser
 reads the calls a Qwen model writes in the form its template teaches."""
 
 import asyncio
@@ -81,7 +82,7 @@ def test_family_templates_render_as_transformers(hf, name, chat, gen):
     check_same(hf, name, CHATS[chat], add_generation_prompt=gen)
 
 
-@pytest.mark.parametrize("name", ["qwen2_5", "qwen3", "mistral_v0_3"])
+@pytest.mark.parametrize("name", ["qwen2_5", "qwen3", "mistral_v0_3", "gpt_oss"])
 @pytest.mark.parametrize("chat", list(TOOL_CHATS))
 def test_tools_render_as_transformers(hf, name, chat):
     got = check_same(hf, name, TOOL_CHATS[chat], tools=TOOLS)
@@ -98,6 +99,10 @@ def test_what_each_family_does_with_a_system_message(hf):
     assert folded.startswith("<s><start_of_turn>user\n  Be brief.  \n\nHi<end_of_turn>")
     assert check_same(hf, "gemma2", CHATS["system+turns"]) is None  # refused, as transformers
     assert check_same(hf, "phi3", user).endswith("<|user|>\nHello there<|end|>\n<|assistant|>\n")
+    harmony = check_same(hf, "gpt_oss", CHATS["system+turns"])  # the system turn: developer's
+    assert harmony.startswith("<|start|>system<|message|>You are ChatGPT")
+    assert "<|start|>developer<|message|># Instructions\n\n  Be brief.  " in harmony
+    assert harmony.endswith("<|end|><|start|>assistant")
     assert check_same(hf, "mistral_v0_3", user) == "<s>[INST] Hello there[/INST]"
 
 

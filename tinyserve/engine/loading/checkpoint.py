@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from tinyserve.engine.loading.model_config import ModelConfig, ModelLoadError
+from tinyserve.engine.loading.mxfp4 import GROUP, dequantize_mxfp4
 from tinyserve.engine.loading.quantize import (
     quantize_experts_int8,
     quantize_int4_linear,
@@ -53,7 +54,7 @@ def _checkpoint_format(model_dir: Path) -> QuantFormat | None:
         qc = json.loads(path.read_text()).get("quantization_config")
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: cannot be read ({e})") from e
-    if qc is None:
+    if qc is None or qc.get("quant_method") == "mxfp4":  # (gpt-oss's experts: read by name)
         return None
     try:
         return parse_quantization_config(qc)
@@ -203,7 +204,9 @@ class _Layers:
             q_norm=self.dense(p + "self_attn.q_norm.weight", (q_out if whole else Dh,))
             if cfg.qk_norm or whole else None,
             k_norm=self.dense(p + "self_attn.k_norm.weight", (kv_out if whole else Dh,))
-            if cfg.qk_norm or whole else None)
+            if cfg.qk_norm or whole else None,
+            sinks=self.reader.get(p + "self_attn.sinks", (cfg.num_heads,)).to(
+                device=self.device, dtype=torch.float32).contiguous() if cfg.attn_sinks else None)
 
 
     def experts(self, p: str) -> ExpertWeights:
@@ -213,6 +216,8 @@ class _Layers:
         cfg, files = self.cfg, self.reader.files
         E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         moe = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in files else "mlp.")
+        if cfg.moe_biases:
+            return self._gpt_oss_experts(moe)
         router = Linear(self.dense(moe + "gate.weight", (E, D)))
         shared = {}
         if cfg.shared_expert_size:
@@ -233,13 +238,52 @@ class _Layers:
                                           self.reader.get(up.format(e), (F, D))])
                                for e in range(E)])
             w2 = torch.stack([self.reader.get(down.format(e), (D, F)) for e in range(E)])
+        return self._stacked(router, w13, w2, **shared)
+
+    def _gpt_oss_experts(self, moe: str) -> ExpertWeights:
+        """gpt-oss: ``router`` with a bias; experts stacked as transformers holds them,
+        transposed (gate_up_proj [E, D, 2F], gate and up interleaved; down_proj [E, F, D]),
+        each with a bias."""
+        cfg = self.cfg
+        E, F, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        router = Linear(self.dense(moe + "router.weight", (E, D)), None,
+                        self.dense(moe + "router.bias", (E,)))
+        x = moe + "experts."
+        if x + "gate_up_proj_blocks" in self.reader.files:  # MXFP4 (gpt-oss's own checkpoints)
+            w13, w2 = self._mxfp4(x + "gate_up_proj", E, 2 * F, D), self._mxfp4(x + "down_proj",
+                                                                                E, D, F)
+        else:
+            w13 = self.reader.get(x + "gate_up_proj", (E, D, 2 * F)).transpose(1, 2)
+            w2 = self.reader.get(x + "down_proj", (E, F, D)).transpose(1, 2)
+        return self._stacked(router, w13, w2, w13_bias=self.dense(x + "gate_up_proj_bias",
+                                                                   (E, 2 * F)),
+                             w2_bias=self.dense(x + "down_proj_bias", (E, D)))
+
+    def _mxfp4(self, name: str, E: int, N: int, K: int) -> torch.Tensor:
+        """``name``_blocks / _scales -> [E, N, K] fp32 (mxfp4.py)."""
+        if K % GROUP:
+            raise ModelLoadError(f"{name}_blocks: MXFP4 needs the input size ({K}) in groups "
+                                 f"of {GROUP}")
+        G = K // GROUP
+        blocks = self.reader.get(name + "_blocks", (E, N, G, GROUP // 2))
+        scales = self.reader.get(name + "_scales", (E, N, G))
+        try:
+            return dequantize_mxfp4(blocks, scales, self.reader.files[name + "_blocks"])
+        except ValueError as e:
+            raise ModelLoadError(f"{e} ({name})") from e
+
+    def _stacked(self, router: Linear, w13: torch.Tensor, w2: torch.Tensor,
+                 **rest) -> ExpertWeights:
+        """w13 [E, 2F, D] and w2 [E, D, F] (host, any float dtype) on the device: the model's
+        dtype, or int8 codes and row scales (``--quantization int8``; the router stays
+        float: it picks the experts)."""
         dev = self.device
-        if self.quantization == "int8":  # the router stays float: it picks the experts
+        if self.quantization == "int8":
             (q13, s13), (q2, s2) = quantize_experts_int8(w13), quantize_experts_int8(w2)
-            return ExpertWeights(router, q13.to(dev), q2.to(dev), **shared,
+            return ExpertWeights(router, q13.to(dev), q2.to(dev), **rest,
                                  w13_scale=s13.to(dev), w2_scale=s2.to(dev))
         return ExpertWeights(router, w13.to(device=dev, dtype=self.dtype).contiguous(),
-                             w2.to(device=dev, dtype=self.dtype).contiguous(), **shared)
+                             w2.to(device=dev, dtype=self.dtype).contiguous(), **rest)
 
 
 def _checkpoint_int4(reader: _TensorReader, fmt: QuantFormat, parts: tuple[tuple[str, int], ...],

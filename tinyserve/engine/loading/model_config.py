@@ -21,6 +21,10 @@ pass, as a row of switches. Llama is the plain row; each family sets the switche
                                expert (shared_expert_intermediate_size) through a sigmoid gate
     OLMoE                      q/k RMSNorm over the whole projection (not per head); every layer
                                sparse, experts of intermediate_size (norm_topk_prob)
+    gpt-oss                    attention sinks (a logit per head); q/k/v/o bias; a window of 128
+                               on alternate layers; YaRN; every layer sparse: a router with a
+                               bias, top k then a softmax over them, experts with biases and the
+                               clamped SwiGLU (interleaved gate / up)
 
 The loaders map each family's weight names onto the same layer (checkpoint.py,
 gguf_weights.py). A config key that changes the computation and is not honoured is refused by
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinyserve.engine.loading.moe_config import experts_config, refused_moe_key
 from tinyserve.formats.gguf import is_gguf
 
 FAMILIES = {  # architecture -> model_type
@@ -43,12 +48,8 @@ FAMILIES = {  # architecture -> model_type
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-    "OlmoeForCausalLM": "olmoe",
+    "OlmoeForCausalLM": "olmoe", "GptOssForCausalLM": "gpt_oss",
 }
-# MoE config keys whose other values this forward pass does not compute (refused by name)
-_MOE_REFUSED = {"n_group": (None, 1), "topk_group": (None, 1), "n_shared_experts": (None, 0),
-                "shared_expert_intermediate_size": (None, 0), "router_jitter_noise": (None, 0.0),
-                "moe_layer_freq": (None, 1), "first_k_dense_replace": (None, 0)}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope",
               "freq_factors")  # (the last: GGUF's rope_freqs, never a config.json key)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -104,6 +105,11 @@ class ModelConfig:
     moe_renormalize: bool = False   # then a softmax over them); the k weights summed to 1
     dense_layers: tuple[int, ...] = ()  # layers with a dense feed-forward in a sparse model
     shared_expert_size: int = 0  # a shared expert beside the routed ones (0: none)
+    moe_activation: str = ""  # the experts' ("": ``activation``); "swiglu_oai" (gpt-oss)
+    swiglu_alpha: float = 1.702  # (swiglu_oai's)
+    swiglu_limit: float = 7.0
+    moe_biases: bool = False  # the router and every expert have biases (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -168,7 +174,7 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
         first = int(raw.get("max_window_layers", 28))
         return tuple("sliding_attention" if i >= first else "full_attention"
                      for i in range(num_layers))
-    if family == "gemma2":
+    if family in ("gemma2", "gpt_oss"):
         return tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
                      for i in range(num_layers))
     if family == "gemma3_text":
@@ -190,6 +196,7 @@ def _switches(raw: dict[str, Any], family: str, head_dim: int, hidden: int) -> d
         qkv_bias=bias or family == "qwen2" or (family == "qwen2_moe" and raw.get("qkv_bias", True)),
         o_bias=bias, mlp_bias=bool(raw.get("mlp_bias")),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"), qk_norm_whole=family == "olmoe",
+        attn_sinks=family == "gpt_oss",
         norm_unit_offset=gemma,
         sandwich_norms=gemma,
         activation="gelu_tanh" if act in GELU_TANH else "silu",
@@ -215,6 +222,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {"query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                     "head_dim": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0},
     "phi3": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+    "gpt_oss": {"head_dim": 64, "sliding_window": 128, "attention_bias": True,
+                "rms_norm_eps": 1e-5, "rope_parameters": {
+                    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                    "original_max_position_embeddings": 4096}},
 }
 
 
@@ -227,14 +239,17 @@ def _refuse(raw: dict[str, Any], family: str, path: Path) -> None:
     if raw.get("layer_types") and set(raw["layer_types"]) - {"full_attention", "sliding_attention"}:
         raise ModelLoadError(f"{path}: layer_types {sorted(set(raw['layer_types']))} are not "
                              "supported (full_attention, sliding_attention)")
-    for key, allowed in _MOE_REFUSED.items():
-        if raw.get(key) not in allowed and not (family == "qwen2_moe"
-                                                and key == "shared_expert_intermediate_size"):
-            raise ModelLoadError(f"{path}: {key}={raw[key]!r} is not supported (the sparse "
-                                 "feed-forward here: routed experts, no groups or shared ones)")
+    if (key := refused_moe_key(raw, family)) is not None:
+        raise ModelLoadError(f"{path}: {key}={raw[key]!r} is not supported (the sparse "
+                             "feed-forward here: routed experts, no groups or shared ones)")
     if raw.get("clip_qkv") is not None:
         raise ModelLoadError(f"{path}: clip_qkv={raw['clip_qkv']!r} is not supported")
-    if (raw.get("quantization_config") or {}).get("modules_to_not_convert"):
+    qc = raw.get("quantization_config") or {}
+    if qc.get("quant_method") == "mxfp4" and family != "gpt_oss":
+        raise ModelLoadError(f"{path}: quantization_config.quant_method 'mxfp4' is supported for "
+                             "gpt-oss's experts only")
+    # (gpt-oss's MXFP4 names the modules it keeps in bf16: everything but the experts)
+    if qc.get("modules_to_not_convert") and qc.get("quant_method") != "mxfp4":
         raise ModelLoadError(f"{path}: quantization_config.modules_to_not_convert is not supported")
 
 
@@ -334,35 +349,7 @@ def _parse(raw: dict[str, Any], arch: str, family: str, gen: dict[str, Any]) -> 
         rotary_dim=None if partial == 1.0 else int(head_dim * partial),
         sliding_window=raw.get("sliding_window") if layer_types else None,
         layer_types=layer_types, local_rope_theta=local_theta, local_rope_scaling=local_scaling,
-        **_switches(raw, family, head_dim, hidden), **_experts(raw, family, num_layers))
-
-
-def _experts(raw: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
-    """The sparse feed-forward's switches (none for a dense family)."""
-    if family == "mixtral":
-        return dict(num_experts=int(raw.get("num_local_experts", 8)),
-                    experts_per_token=int(raw.get("num_experts_per_tok", 2)),
-                    moe_intermediate_size=int(raw["intermediate_size"]), moe_renormalize=True)
-    if family == "olmoe":
-        return dict(num_experts=int(raw.get("num_experts", raw.get("num_local_experts", 64))),
-                    experts_per_token=int(raw.get("num_experts_per_tok", 8)),
-                    moe_intermediate_size=int(raw["intermediate_size"]),
-                    moe_renormalize=bool(raw.get("norm_topk_prob", False)))
-    if family in ("qwen2_moe", "qwen3_moe"):
-        step = int(raw.get("decoder_sparse_step", 1))
-        if step < 1:
-            raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-        # (transformers 5 writes num_local_experts, older configs num_experts)
-        experts = int(raw.get("num_experts", raw.get("num_local_experts", 128)))
-        dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
-        dense |= {i for i in range(num_layers) if experts == 0 or (i + 1) % step}
-        return dict(num_experts=experts, experts_per_token=int(raw.get("num_experts_per_tok", 8)),
-                    moe_intermediate_size=int(raw.get("moe_intermediate_size", 768)),
-                    moe_renormalize=bool(raw.get("norm_topk_prob", False)),
-                    dense_layers=tuple(sorted(dense)),
-                    shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0)
-                    if family == "qwen2_moe" else 0)
-    return {}
+        **_switches(raw, family, head_dim, hidden), **experts_config(raw, family, num_layers))
 
 
 def _check(cfg: ModelConfig, path: Path) -> None:

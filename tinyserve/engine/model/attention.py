@@ -5,7 +5,7 @@ KV-cache write, paged attention (decode rows split-KV, prefill chunks ragged), o
     q, k = rope(norm(q), norm(k))          (Qwen3, Gemma 3: per-head norm; OLMoE: over all of
                                             q's or k's heads; partial rotary; Gemma 3's local
                                             layers: their own rope table)
-    a = attention(q, K, V) Wo              (window per layer; soft-cap; scale)
+    a = attention(q, K, V) Wo              (window per layer; soft-cap; scale; gpt-oss's sinks)
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Attention:
             w.q_norm, w.k_norm, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.eps = cfg.rms_norm_eps
         self.whole_norms = (w.q_norm, w.k_norm) if cfg.qk_norm_whole else None
-        self.shape = dict(sm_scale=cfg.attn_scale, window=cfg.window(i), softcap=cfg.attn_softcap)
+        self.shape = dict(sm_scale=cfg.attn_scale, window=cfg.window(i), softcap=cfg.attn_softcap,
+                          sinks=w.sinks)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: LayerKV) -> torch.Tensor:
         # x: [T, D] -> [T, D]

@@ -8,6 +8,8 @@ combine: a token's output never depends on which tokens share its step).
                                              or not), or top k then a softmax over those
     out[t] = sum_j w[t, j] * down_e(act(gate_e(x)) * up_e(x)),  e = ids[t, j]
              [+ sigmoid(x Wsg) * shared(x)]     Qwen2-MoE's shared expert, a dense MLP
+    gpt-oss: the router has a bias; top k then a softmax; experts with biases and the clamped
+    SwiGLU over interleaved gate / up rows (kernels/moe.py's swiglu_oai)
 
 The operator's view (``ExpertLoad``): the routing kernel adds each expert's rows (real tokens
 only: a decode bucket's padding has no KV slot) to a per-layer device counter; the runner
@@ -43,18 +45,21 @@ class SparseMoE:
         self.counts = counts  # [E] int64: this layer's row of ExpertLoad (None: not counted)
         self.w, self.top_k = experts, cfg.experts_per_token
         self.softmax_first, self.renormalize = cfg.moe_softmax_first, cfg.moe_renormalize
-        self.activation = cfg.activation
+        self.activation = cfg.activation  # the shared expert's
+        self.expert_activation = cfg.moe_activation or cfg.activation
+        self.swiglu = dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, D] -> [T, D]
         w = self.w
-        logits = linear(x, w.router)  # [T, E]
+        logits = linear(x, w.router)  # [T, E] (+ the router's bias: gpt-oss)
         shared = gate = None
         if w.shared_gate_up is not None:  # (Qwen2-MoE) added in the combine
             act = silu_and_mul(linear(x, w.shared_gate_up), activation=self.activation)
             shared, gate = linear(act, w.shared_down), linear(x, w.shared_gate)  # [T, D], [T, 1]
         return fused_moe(x, logits, w.w13, w.w2, self.top_k, softmax_first=self.softmax_first,
-                         renormalize=self.renormalize, activation=self.activation,
+                         renormalize=self.renormalize, activation=self.expert_activation,
+                         w13_bias=w.w13_bias, w2_bias=w.w2_bias, **self.swiglu,
                          shared=shared, shared_gate=gate, w13_scale=w.w13_scale,
                          w2_scale=w.w2_scale, counts=self.counts,
                          rows=None if self.counts is None else batch.slot_mapping)

@@ -90,16 +90,20 @@ class ExpertWeights:
     # int8 experts (--quantization int8): w13 / w2 hold codes, one fp32 scale per expert row
     w13_scale: torch.Tensor | None = None  # [E, 2F]
     w2_scale: torch.Tensor | None = None  # [E, D]
+    # gpt-oss: each expert's biases (w13's row layout: gate / up interleaved)
+    w13_bias: torch.Tensor | None = None  # [E, 2F]
+    w2_bias: torch.Tensor | None = None  # [E, D]
 
     def nbytes(self, as_float: torch.dtype | None = None) -> int:
         """Bytes of the router and experts; with ``as_float``, as if the experts were float."""
         shared = sum(lin.nbytes for lin in (self.shared_gate_up, self.shared_down,
                                             self.shared_gate) if lin is not None)
         if as_float is not None and self.w13_scale is not None:
-            return shared + _bytes(self.router.weight) + \
+            return shared + _bytes(self.router.weight, self.router.bias, self.w13_bias,
+                                   self.w2_bias) + \
                 (self.w13.numel() + self.w2.numel()) * as_float.itemsize
-        return shared + _bytes(self.router.weight, self.w13, self.w2, self.w13_scale,
-                               self.w2_scale)
+        return shared + _bytes(self.router.weight, self.router.bias, self.w13, self.w2,
+                               self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias)
 
 
 @dataclass(slots=True)
@@ -115,6 +119,7 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [Dh] (Qwen3, Gemma 3); [Hq * Dh] (OLMoE)
     k_norm: torch.Tensor | None = None  # [Dh]; [Hk * Dh]
     experts: ExpertWeights | None = None  # a sparse feed-forward instead of gate_up / down
+    sinks: torch.Tensor | None = None  # [Hq] fp32: attention sink logits (gpt-oss)
 
     @property
     def norms(self) -> tuple[torch.Tensor | None, ...]:
@@ -140,7 +145,7 @@ class ModelWeights:
         if getattr(self.lm_head, "weight", None) is not self.embed:
             total += lin_bytes(self.lm_head)
         for layer in self.layers:
-            total += _bytes(*layer.norms)
+            total += _bytes(*layer.norms, layer.sinks)
             total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
                          if x is not None)
             if layer.experts is not None:

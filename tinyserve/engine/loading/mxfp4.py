@@ -1,0 +1,39 @@
+"""gpt-oss's MXFP4 experts (OCP microscaling FP4, as its checkpoints store them): per expert and
+output row, groups of 32 weights along the input, each an e2m1 code (4 bits: sign, 2 exponent
+bits, 1 mantissa bit) times the group's e8m0 scale 2^(s - 127).
+
+    <name>_blocks  [E, N, K / 32, 16] uint8   two codes a byte, the low nibble first
+    <name>_scales  [E, N, K / 32]     uint8
+
+Dequantized here at load, on the host, into kernels/moe.py's layout [E, N, K] (rows = outputs):
+every value is exact in fp32 and in bf16 (a code has at most two significant bits), the same
+as transformers' ``convert_moe_packed_tensors`` gives (transposed to its [E, K, N]). The fused
+GEMM does not read the codes itself yet: MXFP4 experts are served as the model's dtype (or as
+int8 with --quantization int8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GROUP = 32  # weights per scale
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, where: str) -> torch.Tensor:
+    """blocks [E, N, G, 16] uint8, scales [E, N, G] uint8 -> [E, N, G * 32] fp32; ValueError
+    naming ``where`` for tensors of another shape or dtype, or weights that are not finite."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{where}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} "
+                         f"and {scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[-1] != GROUP // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"{where}: MXFP4 blocks {list(blocks.shape)} and scales "
+                         f"{list(scales.shape)} must be [E, N, G, 16] and [E, N, G]")
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [E, N, G, 16, 2]
+    values = lut[codes].reshape(*scales.shape, GROUP)
+    out = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].float())
+    if not torch.isfinite(out).all():  # e8m0 255 is NaN; 2^127 x 6 overflows fp32
+        raise ValueError(f"{where}: MXFP4 scales give non-finite weights (a scale of 255, "
+                         "which is NaN, or one too large for the codes)")
+    return out.reshape(*scales.shape[:2], -1)
