@@ -19,7 +19,13 @@ from tinyserve.kernels.group_matmul import int4_matmul, int8_group_matmul  # noq
 from tinyserve.kernels.int4_pack import quantize_int4  # noqa: E402
 from tinyserve.kernels.kv_cache import update_block_table, write_kv_cache  # noqa: E402
 from tinyserve.kernels.matmul import int8_matmul, matmul  # noqa: E402
-from tinyserve.kernels.moe import fused_moe, moe_combine, moe_down, moe_gate_up  # noqa: E402
+from tinyserve.kernels.moe import (  # noqa: E402
+    Int4Experts,
+    fused_moe,
+    moe_combine,
+    moe_down,
+    moe_gate_up,
+)
 from tinyserve.kernels.moe_routing import moe_align, moe_route  # noqa: E402
 from tinyserve.kernels.penalties import apply_penalties  # noqa: E402
 from tinyserve.kernels.rmsnorm import add_rmsnorm  # noqa: E402
@@ -32,6 +38,7 @@ __all__ = [
     "apply_rotary",
     "context_attention_paged",
     "fused_moe",
+    "Int4Experts",
     "gather_rows",
     "int4_matmul",
     "int8_group_matmul",

@@ -17,10 +17,14 @@ each token's k rows contiguously. Activations (gate, up: the two halves of w13's
     swiglu_oai  gate = min(gate, limit), up = clamp(up, -limit, limit),
                 (up + 1) * gate * sigmoid(alpha * gate) gate = even rows, up = odd (gpt-oss)
 Biases (gpt-oss): b13 [E, 2F] in w13's row layout, b2 [E, D] added before the weight w_f.
-Weights are float (x's dtype) or int8 per output channel (``--quantization int8``: w ~= w_q *
-scale[e, n], matmul.py's format per expert): a tile of codes becomes x's dtype in registers
+Weights are float (x's dtype), int8 per output channel (``--quantization int8``: w ~= w_q *
+scale[e, n], matmul.py's format per expert) or int4 group-wise with zero points
+(``--quantization int4``: group_matmul.py's format per expert, codes [E, N, K_pad / 8] int32,
+scales and zeros [E, N, K_pad / G]). int8: a tile of codes becomes x's dtype in registers
 (exact: |q| <= 127) and the scale, which factors out of the K-sum, multiplies the accumulator
-once, before bias and activation. The fp weights never exist.
+once, before bias and activation. int4: each K step lies inside one group; its tile is
+dequantized in registers ((q - z) * s, group_matmul.py's helpers) into x's dtype. The fp
+weights never exist.
 
 Batch invariance: a row's result depends on its x row, its expert's weights and the shape:
 block_m comes from (E, dtype) (``moe_block_m``), BLOCK_N / BLOCK_K from (N, K, dtype), never T;
@@ -35,15 +39,39 @@ Cost: 2 * (T*k rows + padding) * (2F * D + D * F) FLOPs; bytes ~ the touched exp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from tinyserve.kernels.group_matmul import _codes, _group_params
 from tinyserve.kernels.jitmath import tanh
 from tinyserve.kernels.moe_routing import FLOATS, MAX_TOP_K, moe_align, moe_route
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Experts:
+    """Stacked experts in group_matmul.py's int4 format: ``qweight`` [E, N, K_pad / 8] int32
+    (8 codes a word along K, low nibble first), ``scales`` [E, N, K_pad / G] float, ``zeros``
+    [E, N, K_pad / G] uint8 (the same strides as scales); W = (q - zero) * scale."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+    in_features: int  # K (the codes hold K_pad = whole groups)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.qweight.shape[:2], self.in_features)
+
+
+def _shape(w: torch.Tensor | Int4Experts) -> tuple[int, ...]:
+    return tuple(w.shape)
 
 
 def moe_block_m(num_experts: int, dtype: torch.dtype) -> int:
@@ -90,16 +118,59 @@ def _k_loop(a_rows, w_ptrs, up_off, rows, mask_n, K, stride_ak, stride_wn, strid
 
 
 @triton.jit
+def _int4_tile(q_ptrs, s_ptr, z_ptr, rows, mask_n, g, n_groups, stride_sn, stride_sg,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] weights (q - z) * s of one group step, fp32; s_ptr / z_ptr at the
+    expert (zeros share the scales' strides)."""
+    q = _codes(q_ptrs, mask_n[:, None], 4, BLOCK_K)
+    sc = _group_params(s_ptr, rows, mask_n, g, n_groups, stride_sn, stride_sg, 0.0,
+                       BLOCK_N, BLOCK_K, GROUP)
+    z = _group_params(z_ptr, rows, mask_n, g, n_groups, stride_sn, stride_sg, 0,
+                      BLOCK_N, BLOCK_K, GROUP)
+    return q * sc - z * sc
+
+
+@triton.jit
+def _k_loop_int4(a_rows, q_ptr, s_ptr, z_ptr, w_rows, up_off, rows, mask_n, K, K_pad,
+                 stride_ak, stride_wn, stride_wk, stride_sn, stride_sg,
+                 GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """_k_loop over int4 codes (q_ptr, s_ptr, z_ptr at the expert): K_pad in BLOCK_K steps
+    inside a group each (BLOCK_K <= GROUP); a masked at its real K."""
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    offs_w = tl.arange(0, BLOCK_K // 8).to(tl.int64)
+    a_ptrs = a_rows + offs_k[None, :] * stride_ak
+    q_ptrs = q_ptr + w_rows[:, None] * stride_wn + offs_w[None, :] * stride_wk
+    n_groups = K_pad // GROUP
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K_pad, BLOCK_K):
+        g = k // GROUP
+        a = tl.load(a_ptrs, mask=rows[:, None] & ((offs_k + k) < K)[None, :], other=0.0)
+        w = _int4_tile(q_ptrs, s_ptr, z_ptr, w_rows, mask_n, g, n_groups, stride_sn,
+                       stride_sg, BLOCK_N, BLOCK_K, GROUP)
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PREC)
+        if GATED:
+            w = _int4_tile(q_ptrs + up_off * stride_wn, s_ptr, z_ptr, w_rows + up_off, mask_n,
+                           g, n_groups, stride_sn, stride_sg, BLOCK_N, BLOCK_K, GROUP)
+            acc_up = tl.dot(a, tl.trans(w.to(a.dtype)), acc_up, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        q_ptrs += (BLOCK_K // 8) * stride_wk
+    return acc, acc_up
+
+
+@triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, scale_ptr, bias_ptr, rw_ptr, sorted_ptr, tile_expert_ptr, out_ptr,
-    n_flat, N, K, E, a_div, up_off, alpha, limit,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+    a_ptr, w_ptr, scale_ptr, zeros_ptr, bias_ptr, rw_ptr, sorted_ptr, tile_expert_ptr, out_ptr,
+    n_flat, N, K, K_pad, E, a_div, up_off, alpha, limit,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
     stride_be, stride_bn, stride_om, stride_on,
-    ACT: tl.constexpr, ROW_STEP: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
+    ACT: tl.constexpr, ROW_STEP: tl.constexpr, W_QUANT: tl.constexpr, GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # ACT 0: out[f] = (a[f] @ w[e].T + b[e]) * rw[f] (down); 1-3: act(gate, up) (gate/up)
+    # W_QUANT 0: float weights; 1: int8 codes, a scale per row; 2: int4 codes, group-wise
     GATED: tl.constexpr = ACT != 0
     pid_m = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
@@ -110,12 +181,20 @@ def _moe_gemm_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     w_rows = offs_n * ROW_STEP  # the gate's (or only) weight rows; up's are + up_off
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
-    w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + w_rows[None, :] * stride_wn
-    acc, acc_up = _k_loop(a_ptr + (f // a_div)[:, None] * stride_am, w_ptrs, up_off, rows,
-                          mask_n, K, stride_ak, stride_wn, stride_wk,
-                          GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
-    if W_INT8:  # per output channel: out[m, n] = scale[e, n] * sum_k a[m, k] q[n, k]
+    a_rows = a_ptr + (f // a_div)[:, None] * stride_am
+    if W_QUANT == 2:
+        acc, acc_up = _k_loop_int4(a_rows, w_ptr + expert * stride_we,
+                                   scale_ptr + expert * stride_se, zeros_ptr + expert * stride_se,
+                                   w_rows, up_off, rows, mask_n, K, K_pad, stride_ak, stride_wn,
+                                   stride_wk, stride_sn, stride_sg, GATED, BLOCK_M, BLOCK_N,
+                                   BLOCK_K, GROUP, DOT_PREC)
+    else:
+        offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+        w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk \
+            + w_rows[None, :] * stride_wn
+        acc, acc_up = _k_loop(a_rows, w_ptrs, up_off, rows, mask_n, K, stride_ak, stride_wn,
+                              stride_wk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+    if W_QUANT == 1:  # per output channel: out[m, n] = scale[e, n] * sum_k a[m, k] q[n, k]
         s_ptrs = scale_ptr + expert * stride_se + w_rows * stride_sn
         acc = acc * tl.load(s_ptrs, mask=mask_n, other=0.0)[None, :]
         if GATED:
@@ -165,10 +244,28 @@ def _block_m(sorted_ids: torch.Tensor, expert_of_tile: torch.Tensor,
 
 def _gemm(a, w, scale, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div, act,
           row_step, up_off, alpha, limit) -> torch.Tensor:
-    E, _, K = w.shape
+    E, rows_w, K = w.shape
     N = out.shape[1]
+    int4 = isinstance(w, Int4Experts)
+    zeros = None
+    if int4:
+        G, K_pad = w.group_size, w.qweight.shape[2] * 8
+        check(w.qweight.dtype == torch.int32 and w.qweight.device == a.device
+              and G >= 16 and G & (G - 1) == 0 and K_pad % G == 0 and K <= K_pad < K + G,
+              f"int4 experts: qweight must be int32 [E, N, K_pad / 8] on the activations' "
+              f"device, K_pad = whole groups of a power-of-two size >= 16 (K {K}, G {G})")
+        check(w.scales.shape == (E, rows_w, K_pad // G) and w.scales.dtype in FLOATS
+              and w.zeros.shape == w.scales.shape and w.zeros.dtype == torch.uint8
+              and w.zeros.stride() == w.scales.stride(),
+              f"int4 experts: scales (float) and zeros (uint8) must be [{E}, {rows_w}, "
+              f"{K_pad // G}] with the same strides")
+        scale, zeros, w = w.scales, w.zeros, w.qweight
+    else:
+        K_pad = K
     check(w.device == a.device, "the expert weights must be on the activations' device")
-    if scale is None:
+    if int4:
+        pass  # (checked above)
+    elif scale is None:
         check(w.dtype == a.dtype,
               f"the expert weights must be the activations' {a.dtype}, got {w.dtype}")
     else:
@@ -185,15 +282,18 @@ def _gemm(a, w, scale, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div,
         return out
     block_m = _block_m(sorted_ids, expert_of_tile, a.device)
     bn, bk = _gemm_tiles(N, K, a.dtype, act != 0)
+    if int4:  # each K step inside one group
+        bk = min(bk, G)
     b = a if bias is None else bias
     sc = a if scale is None else scale
     launch(_moe_gemm_kernel, (expert_of_tile.numel(), cdiv(N, bn)),
-           a, w, sc, b, a if rw is None else rw, sorted_ids, expert_of_tile, out,
-           n_flat, N, K, E, a_div, up_off, alpha, limit,
+           a, w, sc, sc if zeros is None else zeros, b, a if rw is None else rw, sorted_ids,
+           expert_of_tile, out, n_flat, N, K, K_pad, E, a_div, up_off, alpha, limit,
            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-           sc.stride(0), sc.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-           ACT=act, ROW_STEP=row_step, W_INT8=scale is not None, HAS_BIAS=bias is not None,
-           MUL_WEIGHT=rw is not None,
+           sc.stride(0), sc.stride(1), sc.stride(2) if int4 else 0, b.stride(0), b.stride(1),
+           out.stride(0), out.stride(1),
+           ACT=act, ROW_STEP=row_step, W_QUANT=2 if int4 else int(scale is not None),
+           GROUP=G if int4 else 1, HAS_BIAS=bias is not None, MUL_WEIGHT=rw is not None,
            BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=dot_precision(a.dtype),
            num_warps=4)
     return out
@@ -211,10 +311,11 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     check(activation in ACTIVATIONS, f"activation must be one of {tuple(ACTIVATIONS)}, "
           f"got {activation!r}")
     check(x.dim() == 2 and x.dtype in FLOATS, "x must be a float [T, D]")
-    check(w13.dim() == 3 and w13.shape[1] % 2 == 0 and w13.shape[2] == x.shape[1],
-          f"w13 must be [E, 2F, {x.shape[1]}], got {list(w13.shape)}")
+    shape = _shape(w13)
+    check(len(shape) == 3 and shape[1] % 2 == 0 and shape[2] == x.shape[1],
+          f"w13 must be [E, 2F, {x.shape[1]}], got {list(shape)}")
     check(1 <= top_k <= MAX_TOP_K, f"top_k must be in [1, {MAX_TOP_K}]")
-    T, F = x.shape[0], w13.shape[1] // 2
+    T, F = x.shape[0], shape[1] // 2
     if out is None:
         out = empty((T, top_k, F), x.dtype, x.device).view(T * top_k, F)
     check(out.shape == (T * top_k, F), f"out must be [{T * top_k}, {F}]")
@@ -236,10 +337,11 @@ def moe_down(h: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor,
     n_flat = weights.numel()
     check(h.dim() == 2 and h.shape[0] == n_flat and h.dtype in FLOATS,
           f"h must be a float [{n_flat}, F] (T*k rows)")
-    check(w2.dim() == 3 and w2.shape[2] == h.shape[1],
-          f"w2 must be [E, D, {h.shape[1]}], got {list(w2.shape)}")
+    shape = _shape(w2)
+    check(len(shape) == 3 and shape[2] == h.shape[1],
+          f"w2 must be [E, D, {h.shape[1]}], got {list(shape)}")
     check(weights.device == h.device, "weights must be on h's device")
-    D = w2.shape[1]
+    D = shape[1]
     if out is None:
         out = empty((weights.shape[0], weights.shape[1], D), h.dtype, h.device).view(n_flat, D)
     check(out.shape == (n_flat, D), f"out must be [{n_flat}, {D}]")

@@ -1,7 +1,8 @@
-"""Host time of one decode step at Llama-3-8B shapes, with every kernel launch stubbed out.
+"""Host time of one decode step at Llama-3-8B (or Qwen3-30B-A3B) shapes, with every kernel
+launch stubbed out.
 
     python loadtest/bench_host.py [--batch 1 64] [--context 4096] [--steps 20] [--enforce-eager]
-                                  [--loras 0 8]
+                                  [--loras 0 8] [--model llama3-8b | qwen3-30b-a3b]
 
 It measures our Python - packing the plan into tensors, the launchers' grid math, checks and
 output allocations for 32 layers, sampling's bookkeeping - not Triton's launch path and not
@@ -16,7 +17,10 @@ scheduler does between block boundaries). By default a step takes the decode-buc
 (padded statics, replay of the recorded launches: what a CUDA graph captures on a GPU);
 ``--enforce-eager`` runs every launcher instead. ``--loras N``: an engine with N LoRA slots
 of rank 16 (zeros: never read), the step's rows spread over the N adapters (row i on slot
-i % N; 0: no LoRA at all).
+i % N; 0: no LoRA at all). ``--model qwen3-30b-a3b``: 48 layers of q/k-normed attention
+(32 / 4 heads of 128) and a sparse feed-forward (128 experts of 768, top 8: routing with the
+expert counters, the sort, two grouped GEMMs, the combine); one set of expert tensors serves
+every layer (never read, so the address space stays one layer's).
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
                  tie_word_embeddings=False, bos_token_id=128000, eos_token_ids=(128001,),
                  torch_dtype="bfloat16")
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+                     num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                     rope_theta=1e6, rope_scaling=None, max_position_embeddings=40960,
+                     tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(151645,),
+                     torch_dtype="bfloat16", architecture="Qwen3MoeForCausalLM", qk_norm=True,
+                     num_experts=128, experts_per_token=8, moe_intermediate_size=768,
+                     moe_renormalize=True)
+MODELS = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 
 def _stub_launches() -> int:
@@ -56,17 +68,17 @@ def _stub_launches() -> int:
     return counter
 
 
-def _runner(max_len: int, enforce_eager: bool, loras: int = 0):
+def _runner(max_len: int, enforce_eager: bool, loras: int = 0, model: str = "llama3-8b"):
     import torch
 
     from tinyserve.engine.loading.model_config import ModelConfig
     from tinyserve.engine.model.decoder import DecoderModel
     from tinyserve.engine.model.kv_cache import KVCacheSpec
     from tinyserve.engine.model.rope import rope_tables
-    from tinyserve.engine.model.weights import LayerWeights, Linear, ModelWeights
+    from tinyserve.engine.model.weights import ExpertWeights, LayerWeights, Linear, ModelWeights
     from tinyserve.engine.running.runner import ModelRunner
 
-    cfg = ModelConfig(**LLAMA3_8B)
+    cfg = ModelConfig(**MODELS[model])
     D, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     dt = torch.float16
@@ -74,9 +86,16 @@ def _runner(max_len: int, enforce_eager: bool, loras: int = 0):
     def empty(*shape):
         return torch.empty(*shape, dtype=dt)
 
-    layers = [LayerWeights(empty(D), Linear(empty(q + 2 * kv, D)), Linear(empty(D, q)), empty(D),
-                           Linear(empty(2 * I, D)), Linear(empty(D, I)))
-              for _ in range(cfg.num_layers)]
+    if cfg.num_experts:
+        E, F, Dh = cfg.num_experts, cfg.moe_intermediate_size, cfg.head_dim
+        experts = ExpertWeights(Linear(empty(E, D)), empty(E, 2 * F, D), empty(E, D, F))
+        layers = [LayerWeights(empty(D), Linear(empty(q + 2 * kv, D)), Linear(empty(D, q)),
+                               empty(D), None, None, q_norm=empty(Dh), k_norm=empty(Dh),
+                               experts=experts) for _ in range(cfg.num_layers)]
+    else:
+        layers = [LayerWeights(empty(D), Linear(empty(q + 2 * kv, D)), Linear(empty(D, q)),
+                               empty(D), Linear(empty(2 * I, D)), Linear(empty(D, I)))
+                  for _ in range(cfg.num_layers)]
     weights = ModelWeights(empty(V, D), layers, empty(D), Linear(empty(V, D)))
     spec = KVCacheSpec(8, 16, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dt)
     lora = None
@@ -85,17 +104,18 @@ def _runner(max_len: int, enforce_eager: bool, loras: int = 0):
         from tinyserve.engine.model.lora import LoraStacks
 
         lora = LoraStacks(ModelDims(cfg.num_layers, D, q, kv, I), loras, 16, dt, "cpu")
-    model = DecoderModel(cfg, weights, rope_tables(cfg, max_len, "cpu"), lora=lora)
+    model = DecoderModel(cfg, weights, rope_tables(cfg, max_len, "cpu"), lora=lora,
+                         count_experts=True)
     return ModelRunner(model, cfg, spec, "cpu", max_num_seqs=64, max_model_len=max_len,
                        enforce_eager=enforce_eager)
 
 
 def run(batches=(1, 64), context: int = 4096, steps: int = 20,
-        enforce_eager: bool = False, loras: int = 0) -> list[dict]:
+        enforce_eager: bool = False, loras: int = 0, model: str = "llama3-8b") -> list[dict]:
     from tinyserve.messages import SamplingParams, ScheduledSeq, StepPlan
 
     counter = _stub_launches()
-    runner = _runner(context + 16, enforce_eager, loras)
+    runner = _runner(context + 16, enforce_eager, loras, model)
     blocks = tuple(i % 8 for i in range(-(-(context + 1) // 16)))  # block ids within the pool
     rows = []
     for batch in batches:
@@ -114,7 +134,8 @@ def run(batches=(1, 64), context: int = 4096, steps: int = 20,
             runner.execute(StepPlan(step + 1, seqs))
             times.append(time.perf_counter() - t0)
         runner.execute(StepPlan(steps + 1, (), freed=tuple(ids)))
-        rows.append({"batch": batch, "context": context, "layers": 32, "loras": loras,
+        rows.append({"model": model, "batch": batch, "context": context,
+                     "layers": runner.cfg.num_layers, "loras": loras,
                      "path": "eager" if enforce_eager else "decode bucket",
                      "host_ms_median": round(1000 * statistics.median(times), 2),
                      "host_ms_min": round(1000 * min(times), 2),
@@ -129,9 +150,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--loras", type=int, nargs="+", default=[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     args = ap.parse_args()
     for loras in args.loras:
-        for row in run(args.batch, args.context, args.steps, args.enforce_eager, loras):
+        for row in run(args.batch, args.context, args.steps, args.enforce_eager, loras,
+                       args.model):
             print(json.dumps(row), flush=True)
 
 

@@ -32,8 +32,20 @@ def qwen3_config(transformers):
         tie_word_embeddings=True, initializer_range=0.15, rms_norm_eps=1e-6)
 
 
-def write_base_and_adapters(root: Path, config, seed: int = 0) -> dict[str, Path]:
-    """root/base (a random model with a tokenizer) and root/<name> for each of ADAPTERS."""
+def qwen3moe_config(transformers):
+    """Qwen3-MoE: sparse layers 0 and 2 (6 experts, top 2), a dense one (1) between them."""
+    return transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=True, initializer_range=0.15, rms_norm_eps=1e-6, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])
+
+
+def write_base_and_adapters(root: Path, config, seed: int = 0,
+                            adapters: dict | None = None) -> dict[str, Path]:
+    """root/base (a random model with a tokenizer) and root/<name> for each of ``adapters``
+    (ADAPTERS by default)."""
     import peft
     import transformers
 
@@ -46,7 +58,7 @@ def write_base_and_adapters(root: Path, config, seed: int = 0) -> dict[str, Path
     hf.save_pretrained(base)
     write_tokenizer(base)
     paths = {"base": base}
-    for i, (name, spec) in enumerate(ADAPTERS.items()):
+    for i, (name, spec) in enumerate((adapters or ADAPTERS).items()):
         torch.manual_seed(seed + 1 + i)
         m = model_cls.from_pretrained(base)
         pm = peft.get_peft_model(m, peft.LoraConfig(init_lora_weights=False, **spec))

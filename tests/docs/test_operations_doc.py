@@ -77,7 +77,7 @@ def exported_metrics() -> set[str]:
     from tinyserve.actors.metrics import Metrics
 
     names = set()
-    for family in Metrics(64, 64, lora=True, speculation=True).registry.collect():
+    for family in Metrics(64, 64, lora=True, speculation=True, moe=True).registry.collect():
         name, kind = family.name, family.type
         if kind == "counter":
             names.add(name + "_total")

@@ -6,8 +6,8 @@ among sparse ones; GQA; windows), compared in fp32 as the dense families are (te
 
 - the runner's logits over a chunked prefill and decode steps vs transformers' full-sequence
   logits, relative L2 < 1e-4 and every logprob within 2e-4;
-- int8 weights (``--quantization int8``, experts included): the same bounds against
-  transformers holding the int8 codes' dequantized values (the router stays float);
+- int8 and int4 weights (``--quantization``, experts included): the same bounds against
+  transformers holding the codes' dequantized values (the router stays float);
 - ``LLM.generate`` (one config per family, the richer one): greedy 32 tokens equal to
   ``transformers.generate`` with chunked prefill, a prefix-cache hit and a preemption in the
   same run, logprobs and the top 5 as transformers'; batch invariance: a prompt's tokens and
@@ -156,13 +156,26 @@ def test_logits_match_transformers_over_prefill_and_decode(family):
     check_logits(name, hf, path, 44)
 
 
-def int8_dequantized(hf):
-    """A copy of ``hf`` whose weights are what --quantization int8 serves: every projection
-    (attention, dense and shared MLPs, each expert) per output row through int8 codes and back;
-    the routers, the shared expert's gate, embeddings, norms and the LM head as they are."""
-    import copy
+def _round_trip(w: torch.Tensor, quantization: str) -> torch.Tensor:
+    """[E, N, K] float through --quantization's codes and back (rows along K, as served)."""
+    from tinyserve.engine.loading.quantize import quantize_experts_int4, quantize_experts_int8
+    from tinyserve.kernels.int4_pack import dequantize_int4
 
-    from tinyserve.engine.loading.quantize import quantize_experts_int8
+    if quantization == "int8":
+        q, scale = quantize_experts_int8(w)
+        return q.float() * scale[..., None]
+    q = quantize_experts_int4(w, torch.float32)
+    return torch.stack([dequantize_int4(q.qweight[e], q.scales[e], q.zeros[e], q.group_size,
+                                        w.shape[2]) for e in range(w.shape[0])])
+
+
+def dequantized(hf, quantization: str):
+    """A copy of ``hf`` whose weights are what --quantization serves: every projection
+    (attention, dense and shared MLPs, each expert) per output row through int8 codes (or
+    int4 groups along the input) and back; the routers, the shared expert's gate, biases,
+    sinks, embeddings, norms and the LM head as they are. (Quantizing per row, a fused qkv
+    is quantized as its parts are.)"""
+    import copy
 
     hf = copy.deepcopy(hf)
     keep = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight",
@@ -174,29 +187,35 @@ def int8_dequantized(hf):
             if not name.startswith("model.layers.") or name.endswith(keep) or param.dim() < 2:
                 continue
             w = param.data if param.dim() == 3 else param.data[None]
-            w = w.transpose(1, 2) if transposed and param.dim() == 3 else w
-            q, scale = quantize_experts_int8(w)
-            deq = q.float() * scale[..., None]
-            deq = deq.transpose(1, 2) if transposed and param.dim() == 3 else deq
-            param.data.copy_(deq.reshape(param.shape))
+            flip = transposed and param.dim() == 3
+            deq = _round_trip(w.transpose(1, 2) if flip else w, quantization)
+            param.data.copy_((deq.transpose(1, 2) if flip else deq).reshape(param.shape))
     return hf
 
 
-def test_int8_experts_equal_their_dequantized_weights(whole_run):
-    """--quantization int8 on an MoE model keeps the experts as int8 codes (a per-row scale per
-    expert, kernels/moe.py) and computes what the dequantized weights compute (one config per
-    family: the kernels' int8 path has its own tests over awkward shapes)."""
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_experts_equal_their_dequantized_weights(whole_run, quantization):
+    """--quantization int8 / int4 on an MoE model keeps the experts as codes (int8 with a
+    scale per row, or int4 in groups of 128 with zero points: kernels/moe.py) and computes
+    what the dequantized weights compute (one config per family: the kernels' quantized paths
+    have their own tests over awkward shapes)."""
     name, hf, path = whole_run
     from tinyserve.engine.loading.checkpoint import load_weights
     from tinyserve.engine.loading.model_config import load_model_config
+    from tinyserve.kernels import Int4Experts
 
     cfg = load_model_config(path)
-    w = load_weights(path, cfg, torch.float32, "cpu", quantization="int8")
+    w = load_weights(path, cfg, torch.float32, "cpu", quantization=quantization)
     sparse = [layer.experts for layer in w.layers if layer.experts is not None]
-    assert sparse and all(e.w13.dtype == e.w2.dtype == torch.int8 for e in sparse)
+    if quantization == "int8":
+        assert sparse and all(e.w13.dtype == e.w2.dtype == torch.int8 for e in sparse)
+    else:
+        assert sparse and all(isinstance(e.w13, Int4Experts) and isinstance(e.w2, Int4Experts)
+                              for e in sparse)
     assert all(e.router.weight.dtype == torch.float32 for e in sparse)
-    assert w.nbytes() < w.nbytes(as_float=torch.float32) / 2
-    check_logits(name, int8_dequantized(hf), path, 44, quantization="int8")
+    # (int4 pads each row to whole groups of 128: these configs' rows are 24 to 96 wide)
+    assert w.nbytes() < w.nbytes(as_float=torch.float32) / (2 if quantization == "int8" else 1)
+    check_logits(name, dequantized(hf, quantization), path, 44, quantization=quantization)
 
 
 def test_greedy_generation_and_logprobs_through_llm(whole_run):

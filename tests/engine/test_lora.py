@@ -45,18 +45,20 @@ def prompts_for(vocab: int = 300) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 9, 12)]
 
 
-def requests(paths) -> list:
-    return [None] + [LoRARequest(name, i + 1, str(paths[name])) for i, name in enumerate(ADAPTERS)]
+def requests(paths, names=None) -> list:
+    """The base (None) and three adapters, one per prompt of ``prompts_for``."""
+    return [None] + [LoRARequest(name, i + 1, str(paths[name]))
+                     for i, name in enumerate(names or ADAPTERS)]
 
 
-def run(llm: LLM, paths):
+def run(llm: LLM, paths, names=None):
     params = SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True,
                             prompt_logprobs=-1)
-    return llm.generate(prompts_for(), params, lora_request=requests(paths))
+    return llm.generate(prompts_for(), params, lora_request=requests(paths, names))
 
 
-def check_against(base_hf, outs, paths) -> None:
-    for prompt, lora, out in zip(prompts_for(), requests(paths), outs, strict=True):
+def check_against(base_hf, outs, paths, names=None) -> None:
+    for prompt, lora, out in zip(prompts_for(), requests(paths, names), outs, strict=True):
         ref = peft_model(base_hf, None if lora is None else paths[lora.lora_name])
         want = reference_logprobs(ref, prompt)
         got = torch.tensor([[row[t] for t in range(want.shape[1])]

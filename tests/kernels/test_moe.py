@@ -9,7 +9,15 @@ import torch.nn.functional as F
 
 from tests.kernels.dtypes import bf16
 from tinyserve.engine.loading.quantize import quantize_experts_int8
-from tinyserve.kernels import fused_moe, moe_align, moe_combine, moe_down, moe_gate_up, moe_route
+from tinyserve.kernels import (
+    Int4Experts,
+    fused_moe,
+    moe_align,
+    moe_combine,
+    moe_down,
+    moe_gate_up,
+    moe_route,
+)
 from tinyserve.kernels.utils import Recording, recording
 
 moe = sys.modules["tinyserve.kernels.moe"]
@@ -388,3 +396,69 @@ def test_fused_moe_counts_and_refuses_bad_counters(device):
         fused_moe(x, logits, w13, w2, 2, counts=counts.int(), rows=rows, **kw)
     with pytest.raises(ValueError, match="rows must be"):
         fused_moe(x, logits, w13, w2, 2, counts=counts, rows=None, **kw)
+
+
+# ------------------------------------------------------------------------------ int4 experts
+
+def int4_experts(w13, w2, device):
+    """Int4Experts of both stacks (group 128, zero points) and their dequantized weights."""
+    from tinyserve.engine.loading.quantize import quantize_experts_int4
+    from tinyserve.kernels.int4_pack import dequantize_int4
+
+    out = []
+    for w in (w13, w2):
+        q = quantize_experts_int4(w.float().cpu(), w.dtype)
+        E, N, K = w.shape
+        deq = torch.stack([dequantize_int4(q.qweight[e], q.scales[e], q.zeros[e], q.group_size,
+                                           K) for e in range(E)])
+        out += [Int4Experts(q.qweight.to(device), q.scales.to(device), q.zeros.to(device),
+                            q.group_size, K), deq.to(device, w.dtype)]
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("case", [0, 2, 3, 5])
+def test_int4_experts_equal_their_dequantized_weights(device, dtype, atol, rtol, case):
+    """Group-wise codes with zero points (K = 48 or 64 in one padded group; F = 40 or 96):
+    the float kernel's result on the dequantized weights."""
+    T, E, k, D, n_ff, softmax_first, renormalize, activation, bias = FUSED_CASES[case]
+    g = torch.Generator().manual_seed(30 + case)
+    x, logits, w13, w2, b13, b2 = make_moe(T, E, D, n_ff, g, device, dtype, bias,
+                                           gate_scale=4.0 if activation == "swiglu_oai" else 1.0)
+    q13, w13_dq, q2, w2_dq = int4_experts(w13, w2, device)
+    got = fused_moe(x, logits, q13, q2, k, softmax_first=softmax_first, renormalize=renormalize,
+                    activation=activation, w13_bias=b13, w2_bias=b2)
+    ref = moe_ref(x, logits, w13_dq, w2_dq, k, softmax_first, renormalize, activation, b13, b2)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES[:2])
+def test_int4_experts_on_the_gpu_tiles(device, dtype, atol, rtol, monkeypatch):
+    """Several groups along K (D = 300: two whole groups and a partial third; F = 200), 32- /
+    64-wide K steps inside each group, several column blocks; a token alone equals the token
+    in the batch."""
+    monkeypatch.setattr(moe, "INTERPRET", False)
+    monkeypatch.setattr(routing, "INTERPRET", False)
+    g = torch.Generator().manual_seed(31)
+    x, logits, w13, w2, b13, b2 = make_moe(21, 6, 300, 200, g, device, dtype, bias=True)
+    q13, w13_dq, q2, w2_dq = int4_experts(w13, w2, device)
+    run = lambda x, logits: fused_moe(x, logits, q13, q2, 2, softmax_first=True,  # noqa: E731
+                                      renormalize=True, w13_bias=b13, w2_bias=b2)
+    got = run(x, logits)
+    ref = moe_ref(x, logits, w13_dq, w2_dq, 2, True, True, "silu", b13, b2)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    for i in (0, 20):
+        assert torch.equal(run(x[i:i + 1], logits[i:i + 1])[0], got[i])
+
+
+def test_int4_experts_refuse_bad_parts(device):
+    g = torch.Generator().manual_seed(32)
+    x, logits, w13, w2, _, _ = make_moe(3, 6, 48, 40, g, device, torch.float32)
+    q13, _, q2, _ = int4_experts(w13, w2, device)
+    kw = dict(softmax_first=True, renormalize=True)
+    bad = Int4Experts(q13.qweight, q13.scales, q13.zeros.int(), 128, 48)
+    with pytest.raises(ValueError, match="zeros"):
+        fused_moe(x, logits, bad, q2, 2, **kw)
+    bad = Int4Experts(q13.qweight, q13.scales, q13.zeros, 48, 48)
+    with pytest.raises(ValueError, match="power-of-two"):
+        fused_moe(x, logits, bad, q2, 2, **kw)

@@ -178,6 +178,21 @@ def exported() -> dict[str, set[str]]:
         for sample in family.samples:
             out.setdefault(sample.name, set()).update(sample.labels)
     assert not empty, f"the traffic left these without a sample: {empty}"
+    # A mixture of experts' series (the fake model has none): from the metrics actor itself,
+    # fed two steps' expert counters
+    from tinyserve.actors.metrics import Metrics
+    from tinyserve.messages import StepStats
+
+    moe = Metrics(64, 64, moe=True)
+    for load in ((0, 0), (5, 1)):
+        moe.emit(StepStats(num_tokens=1, num_running=1, num_waiting=0, kv_usage=0.0,
+                           preemptions=0, prompt_tokens_computed=0, prefix_queries=0,
+                           prefix_hits=0, model="a", expert_load=((3, load),)))
+    for family in text_string_to_metric_families(moe.render().decode()):
+        if family.name.startswith("tinyserve:moe_"):
+            assert family.samples, family.name
+            for sample in family.samples:
+                out.setdefault(sample.name, set()).update(sample.labels)
     for name in ("num_preemptions_total", "prefix_cache_hits_total", "request_goodput_total",
                  "admission_rejections_total", "fallback_requests_total", "cache_config_info",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket"):

@@ -50,6 +50,8 @@ class ModelDims:
     q_out: int  # num_heads * head_dim
     kv_out: int  # num_kv_heads * head_dim
     intermediate: int
+    # layers whose feed-forward is a mixture of experts: no gate / up / down adapters there
+    sparse_layers: frozenset[int] = frozenset()
 
     def slices(self, projection: str) -> list[int]:
         """The output widths of a projection's slices."""
@@ -137,6 +139,9 @@ def _read_config(cfg_file: Path) -> dict:
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"{cfg_file}: peft_type {str(cfg.get('peft_type'))[:64]!r} is not "
                          "supported (LORA is)")
+    if cfg.get("target_parameters"):  # (PEFT's LoRA on parameters: a MoE's stacked experts)
+        raise ValueError(f"{cfg_file}: target_parameters={str(cfg['target_parameters'])[:64]}: "
+                         "adapters on expert weights are not supported (on attention they are)")
     for key, default in _REFUSED.items():
         value = cfg.get(key, default)
         if value not in (default, None, False, {}, []) and value != default:
@@ -173,14 +178,19 @@ def _lora_shapes(weights: Path, dims: ModelDims) -> dict[tuple[int, str], dict[s
             continue
         m = _KEY.match(key)
         if m is None:
-            raise ValueError(f"{weights}: tensor {key[:120]!r} is not supported (only the "
-                             f"decoder layers' {', '.join(MODULES)} adapters are)")
+            what = "an expert's" if ".experts." in key or "shared_expert" in key else "its"
+            raise ValueError(f"{weights}: tensor {key[:120]!r}: {what} adapter is not supported "
+                             f"(only the decoder layers' {', '.join(MODULES)} ones are)")
         layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
         if module not in MODULES:
             raise ValueError(f"{weights}: tensor {key}: module {module!r} is not supported")
         if layer >= dims.num_layers:
             raise ValueError(f"{weights}: tensor {key}: layer {layer} is beyond the model's "
                              f"{dims.num_layers}")
+        if layer in dims.sparse_layers and MODULES[module][0] in ("gate_up", "down"):
+            raise ValueError(f"{weights}: tensor {key}: layer {layer}'s feed-forward is a "
+                             "mixture of experts; adapters on expert weights are not supported "
+                             "(on its attention they are)")
         found.setdefault((layer, module), {})[ab] = _entry_shape(weights, key, info, data_bytes)
     if not found:
         raise ValueError(f"{weights}: the adapter holds no LoRA weights")

@@ -214,15 +214,13 @@ def _adapters(cfg: EngineConfig, mcfg: Any, dtype: Any, device: str) -> tuple | 
     """(device slots, host cache, the dimensions an adapter must fit), or None."""
     if not cfg.max_loras:
         return None
-    if mcfg.num_experts:
-        from tinyserve.engine.loading.model_config import ModelLoadError
-
-        raise ModelLoadError(f"{cfg.model}: LoRA adapters on a mixture-of-experts model "
-                             "(--enable-lora) are not supported yet")
     from tinyserve.engine.model.lora import HostAdapters, LoraStacks
 
+    # (a mixture of experts: adapters on attention and on dense feed-forwards; the sparse
+    # layers' slots for gate / up / down stay empty, an adapter for them is refused)
     dims = ModelDims(mcfg.num_layers, mcfg.hidden_size, mcfg.num_heads * mcfg.head_dim,
-                     mcfg.num_kv_heads * mcfg.head_dim, mcfg.intermediate_size)
+                     mcfg.num_kv_heads * mcfg.head_dim, mcfg.intermediate_size,
+                     frozenset(i for i in range(mcfg.num_layers) if mcfg.is_sparse(i)))
     stacks = LoraStacks(dims, cfg.max_loras, cfg.max_lora_rank, dtype, device)
     host = HostAdapters(dims, cfg.max_lora_rank, dtype, device, cfg.max_cpu_loras or cfg.max_loras)
     log.info("LoRA: %d slots of rank %d, %.1f MiB", cfg.max_loras, cfg.max_lora_rank,

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from tinyserve.engine.loading.model_config import ModelConfig, ModelLoadError
 from tinyserve.engine.loading.mxfp4 import GROUP, dequantize_mxfp4
 from tinyserve.engine.loading.quantize import (
+    quantize_experts_int4,
     quantize_experts_int8,
     quantize_int4_linear,
     quantize_int8,
@@ -120,9 +121,9 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if fmt is not None and quantization is not None:
         raise ModelLoadError(f"{model_dir}: already quantized ({fmt.method}, 4-bit); serve it "
                              f"without quantization={quantization!r}")
-    if cfg.num_experts and (fmt is not None or quantization == "int4"):
-        raise ModelLoadError(f"{model_dir}: {fmt.method if fmt else 'int4'} experts are not "
-                             "supported yet; serve the float weights or quantization='int8'")
+    if cfg.num_experts and fmt is not None:
+        raise ModelLoadError(f"{model_dir}: {fmt.method} experts are not supported yet; serve "
+                             "the float weights (with quantization='int8' or 'int4' if need be)")
     reader = _TensorReader(_weight_files(Path(model_dir)))
     layers = _Layers(reader, cfg, fmt, quantization, dtype, device)
     D, V = cfg.hidden_size, cfg.vocab_size
@@ -275,13 +276,16 @@ class _Layers:
     def _stacked(self, router: Linear, w13: torch.Tensor, w2: torch.Tensor,
                  **rest) -> ExpertWeights:
         """w13 [E, 2F, D] and w2 [E, D, F] (host, any float dtype) on the device: the model's
-        dtype, or int8 codes and row scales (``--quantization int8``; the router stays
-        float: it picks the experts)."""
+        dtype, int8 codes and row scales (``--quantization int8``) or int4 group-wise
+        (``--quantization int4``); the router stays float: it picks the experts."""
         dev = self.device
         if self.quantization == "int8":
             (q13, s13), (q2, s2) = quantize_experts_int8(w13), quantize_experts_int8(w2)
             return ExpertWeights(router, q13.to(dev), q2.to(dev), **rest,
                                  w13_scale=s13.to(dev), w2_scale=s2.to(dev))
+        if self.quantization == "int4":  # (on the device: the clip search is 20 passes)
+            return ExpertWeights(router, quantize_experts_int4(w13.to(dev), self.dtype),
+                                 quantize_experts_int4(w2.to(dev), self.dtype), **rest)
         return ExpertWeights(router, w13.to(device=dev, dtype=self.dtype).contiguous(),
                              w2.to(device=dev, dtype=self.dtype).contiguous(), **rest)
 

@@ -43,3 +43,22 @@ def quantize_int4_linear(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
     qweight, scales, zeros = quantize_int4(w, INT4_GROUP_SIZE, INT4_SYMMETRIC, INT4_CLIP_SEARCH)
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
     return Int4Linear(qweight, scales.to(scale_dtype), zeros, INT4_GROUP_SIZE, w.shape[1])
+
+
+def quantize_experts_int4(w: torch.Tensor, dtype: torch.dtype):
+    """Stacked experts [E, N, K] float -> kernels.moe.Int4Experts: every expert row in groups
+    of INT4_GROUP_SIZE as ``quantize_int4_linear`` does a linear's (zero points, the clip
+    search), scales fp16 (fp32 for an fp32 model)."""
+    from tinyserve.kernels.int4_pack import quantize_int4
+    from tinyserve.kernels.moe import Int4Experts
+
+    E, N, K = w.shape
+    qweight, scales, zeros = quantize_int4(w.reshape(E * N, K), INT4_GROUP_SIZE, INT4_SYMMETRIC,
+                                           INT4_CLIP_SEARCH)
+    G = scales.shape[1]
+    if zeros is None:  # (symmetric: the codes' midpoint)
+        zeros = torch.full_like(scales, 8, dtype=torch.uint8)
+    scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+    return Int4Experts(qweight.reshape(E, N, -1).contiguous(),
+                       scales.to(scale_dtype).reshape(E, N, G).contiguous(),
+                       zeros.reshape(E, N, G).contiguous(), INT4_GROUP_SIZE, K)

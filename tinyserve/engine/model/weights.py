@@ -4,9 +4,12 @@ exactly). The loaders (loading/) build these; the model (decoder.py) reads them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from tinyserve.kernels.moe import Int4Experts
 
 
 def _bytes(*tensors: torch.Tensor | None) -> int:
@@ -81,8 +84,8 @@ class ExpertWeights:
     """A sparse feed-forward (kernels/moe.py's layout): the router and every expert stacked."""
 
     router: Linear  # [E, D] float
-    w13: torch.Tensor  # [E, 2F, D]: each expert's gate rows, then its up rows
-    w2: torch.Tensor  # [E, D, F]
+    w13: torch.Tensor | Int4Experts  # [E, 2F, D]: each expert's gate rows, then its up rows
+    w2: torch.Tensor | Int4Experts  # [E, D, F] (Int4Experts: --quantization int4)
     # Qwen2-MoE's shared expert: a dense MLP for every token, scaled by sigmoid(x shared_gate)
     shared_gate_up: AnyLinear | None = None  # [2S, D]
     shared_down: AnyLinear | None = None  # [D, S]
@@ -98,12 +101,14 @@ class ExpertWeights:
         """Bytes of the router and experts; with ``as_float``, as if the experts were float."""
         shared = sum(lin.nbytes for lin in (self.shared_gate_up, self.shared_down,
                                             self.shared_gate) if lin is not None)
-        if as_float is not None and self.w13_scale is not None:
-            return shared + _bytes(self.router.weight, self.router.bias, self.w13_bias,
-                                   self.w2_bias) + \
-                (self.w13.numel() + self.w2.numel()) * as_float.itemsize
-        return shared + _bytes(self.router.weight, self.router.bias, self.w13, self.w2,
-                               self.w13_scale, self.w2_scale, self.w13_bias, self.w2_bias)
+        fixed = shared + _bytes(self.router.weight, self.router.bias, self.w13_bias,
+                                self.w2_bias)
+        experts = (self.w13, self.w2)
+        if as_float is not None:
+            return fixed + sum(math.prod(w.shape) for w in experts) * as_float.itemsize
+        return fixed + _bytes(self.w13_scale, self.w2_scale) + sum(
+            _bytes(w.qweight, w.scales, w.zeros) if isinstance(w, Int4Experts) else _bytes(w)
+            for w in experts)
 
 
 @dataclass(slots=True)
