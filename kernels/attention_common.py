@@ -164,8 +164,9 @@ def add_sink(m_i, l_i, acc, sinks_ptr, q_head, row_ok):
     unnormalized state (m, l, acc) of attend_paged, before acc / l."""
     s = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     m_new = tl.maximum(m_i, s)
-    alpha = tl.exp2(m_i - m_new)  # m_i = -inf (no keys): 0
-    return m_new, l_i * alpha + tl.exp2(s - m_new), acc * alpha[:, None]
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys and a -inf sink: no NaN
+    alpha = tl.exp2(m_i - m_safe)  # m_i = -inf (no keys): 0
+    return m_new, l_i * alpha + tl.exp2(s - m_safe), acc * alpha[:, None]
 
 
 class HeadParams:

@@ -39,35 +39,16 @@ Cost: 2 * (T*k rows + padding) * (2F * D + D * F) FLOPs; bytes ~ the touched exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from tinyserve.kernels.group_matmul import _codes, _group_params
 from tinyserve.kernels.jitmath import tanh
+from tinyserve.kernels.moe_int4 import Int4Experts, _k_loop_int4
 from tinyserve.kernels.moe_routing import FLOATS, MAX_TOP_K, moe_align, moe_route
 from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty, launch, next_pow2
 
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
-
-
-@dataclass(frozen=True, slots=True)
-class Int4Experts:
-    """Stacked experts in group_matmul.py's int4 format: ``qweight`` [E, N, K_pad / 8] int32
-    (8 codes a word along K, low nibble first), ``scales`` [E, N, K_pad / G] float, ``zeros``
-    [E, N, K_pad / G] uint8 (the same strides as scales); W = (q - zero) * scale."""
-
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    group_size: int
-    in_features: int  # K (the codes hold K_pad = whole groups)
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (*self.qweight.shape[:2], self.in_features)
 
 
 def _shape(w: torch.Tensor | Int4Experts) -> tuple[int, ...]:
@@ -114,48 +95,6 @@ def _k_loop(a_rows, w_ptrs, up_off, rows, mask_n, K, stride_ak, stride_wn, strid
                             acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    return acc, acc_up
-
-
-@triton.jit
-def _int4_tile(q_ptrs, s_ptr, z_ptr, rows, mask_n, g, n_groups, stride_sn, stride_sg,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] weights (q - z) * s of one group step, fp32; s_ptr / z_ptr at the
-    expert (zeros share the scales' strides)."""
-    q = _codes(q_ptrs, mask_n[:, None], 4, BLOCK_K)
-    sc = _group_params(s_ptr, rows, mask_n, g, n_groups, stride_sn, stride_sg, 0.0,
-                       BLOCK_N, BLOCK_K, GROUP)
-    z = _group_params(z_ptr, rows, mask_n, g, n_groups, stride_sn, stride_sg, 0,
-                      BLOCK_N, BLOCK_K, GROUP)
-    return q * sc - z * sc
-
-
-@triton.jit
-def _k_loop_int4(a_rows, q_ptr, s_ptr, z_ptr, w_rows, up_off, rows, mask_n, K, K_pad,
-                 stride_ak, stride_wn, stride_wk, stride_sn, stride_sg,
-                 GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr):
-    """_k_loop over int4 codes (q_ptr, s_ptr, z_ptr at the expert): K_pad in BLOCK_K steps
-    inside a group each (BLOCK_K <= GROUP); a masked at its real K."""
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
-    offs_w = tl.arange(0, BLOCK_K // 8).to(tl.int64)
-    a_ptrs = a_rows + offs_k[None, :] * stride_ak
-    q_ptrs = q_ptr + w_rows[:, None] * stride_wn + offs_w[None, :] * stride_wk
-    n_groups = K_pad // GROUP
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K_pad, BLOCK_K):
-        g = k // GROUP
-        a = tl.load(a_ptrs, mask=rows[:, None] & ((offs_k + k) < K)[None, :], other=0.0)
-        w = _int4_tile(q_ptrs, s_ptr, z_ptr, w_rows, mask_n, g, n_groups, stride_sn,
-                       stride_sg, BLOCK_N, BLOCK_K, GROUP)
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PREC)
-        if GATED:
-            w = _int4_tile(q_ptrs + up_off * stride_wn, s_ptr, z_ptr, w_rows + up_off, mask_n,
-                           g, n_groups, stride_sn, stride_sg, BLOCK_N, BLOCK_K, GROUP)
-            acc_up = tl.dot(a, tl.trans(w.to(a.dtype)), acc_up, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K * stride_ak
-        q_ptrs += (BLOCK_K // 8) * stride_wk
     return acc, acc_up
 
 
@@ -249,8 +188,11 @@ def _gemm(a, w, scale, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div,
     int4 = isinstance(w, Int4Experts)
     zeros = None
     if int4:
+        check(scale is None, "int4 experts carry their own scales: pass no separate scale")
+        check(w.qweight.dim() == 3, "int4 experts: qweight must be [E, N, K_pad / 8]")
         G, K_pad = w.group_size, w.qweight.shape[2] * 8
-        check(w.qweight.dtype == torch.int32 and w.qweight.device == a.device
+        check(w.qweight.dtype == torch.int32
+              and w.qweight.device == w.scales.device == w.zeros.device == a.device
               and G >= 16 and G & (G - 1) == 0 and K_pad % G == 0 and K <= K_pad < K + G,
               f"int4 experts: qweight must be int32 [E, N, K_pad / 8] on the activations' "
               f"device, K_pad = whole groups of a power-of-two size >= 16 (K {K}, G {G})")

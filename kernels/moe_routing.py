@@ -122,7 +122,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, softmax_first: bool,
         check(counts.shape == (E,) and counts.dtype == torch.int64 and counts.is_contiguous()
               and counts.device == dev, f"counts must be a contiguous int64 [{E}]")
         check(rows is not None and rows.shape == (T,) and rows.dtype == torch.int64
-              and rows.device == dev, f"rows must be the step's int64 [{T}] slot mapping")
+              and rows.is_contiguous() and rows.device == dev,
+              f"rows must be the step's contiguous int64 [{T}] slot mapping")
     weights = empty((T, top_k), torch.float32, dev)
     ids = empty((T, top_k), torch.int32, dev)
     if T == 0:
@@ -224,7 +225,7 @@ def _align_blocks(N: int, E: int) -> tuple[int, int, int]:
     # of 8192 elements spilled too (80-824 B of stack at a 2048-token prefill: its arguments'
     # divisibility changes the code); 2048 fit at every MoE shape of gpu_compile_check.py
     block_e = next_pow2(E)
-    return max(16, min(256, 16384 // block_e)), max(16, 2048 // block_e), max(16, 2048 // block_e)
+    return max(16, min(256, 16384 // block_e)), max(8, 2048 // block_e), max(8, 2048 // block_e)
 
 
 def _scratch(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

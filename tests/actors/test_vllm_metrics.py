@@ -268,18 +268,24 @@ def test_observe_many_counts_as_observe_does():
 
 
 def test_expert_load_window_is_max_over_mean_since_the_window_began():
+    import math
+
     from tinyserve.actors.expert_load import ExpertLoadWindow
 
+    def add(t, load):  # NaN (an idle layer) as None, to compare
+        return [(layer, None if math.isnan(r) else r) for layer, r in w.add(t, load)]
+
     w = ExpertLoadWindow(window_s=10.0)
-    assert w.add(0.0, ((1, (5, 5, 5, 5)), (3, (0, 0, 0, 0)))) == []  # a baseline only
+    assert add(0.0, ((1, (5, 5, 5, 5)), (3, (0, 0, 0, 0)))) == [(1, None), (3, None)]  # baseline
     # layer 1: +8 on expert 0, +0 on the rest (max 8 over mean 2: 4 = E, the worst);
     # layer 3: +1 each (even: 1)
-    assert w.add(1.0, ((1, (13, 5, 5, 5)), (3, (1, 1, 1, 1)))) == [(1, 4.0), (3, 1.0)]
-    # 12 s on: the window starts at the snapshot of t = 1 (the newest at or before now - 10)
-    assert w.add(12.0, ((1, (13, 9, 9, 5)), (3, (1, 1, 1, 1)))) == [(1, 2.0)]
+    assert add(1.0, ((1, (13, 5, 5, 5)), (3, (1, 1, 1, 1)))) == [(1, 4.0), (3, 1.0)]
+    # 12 s on: the window starts at the snapshot of t = 1 (the newest at or before now - 10);
+    # layer 3 routed nothing since: idle, NaN (never the last busy figure kept)
+    assert add(12.0, ((1, (13, 9, 9, 5)), (3, (1, 1, 1, 1)))) == [(1, 2.0), (3, None)]
     # the counters restarted (a reloaded model): a new baseline, nothing to report yet
-    assert w.add(13.0, ((1, (0, 0, 0, 0)),)) == []
-    assert w.add(14.0, ((1, (3, 1, 0, 0)),)) == [(1, 3.0)]
+    assert add(13.0, ((1, (0, 0, 0, 0)),)) == [(1, None)]
+    assert add(14.0, ((1, (3, 1, 0, 0)),)) == [(1, 3.0)]
 
 
 def test_expert_load_imbalance_gauge_per_layer():

@@ -27,11 +27,11 @@ def test_mxfp4_dequantizes_bit_exactly_as_transformers():
     blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=g, dtype=torch.uint8)
     scales = torch.randint(100, 150, (3, 10, 4), generator=g, dtype=torch.uint8)
     scales[0, 0, 0], scales[1, 2, 3] = 0, 130  # the exponent's low end: 2^-127 (subnormals)
-    ours = dequantize_mxfp4(blocks, scales, "t")
-    assert ours.shape == (3, 10, 128)
     for dtype in (torch.float32, torch.bfloat16):
+        ours = dequantize_mxfp4(blocks, scales, "t", dtype)
+        assert ours.shape == (3, 10, 128) and ours.dtype == dtype
         theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, K, N]
-        assert torch.equal(ours.to(dtype), theirs.transpose(1, 2)), dtype
+        assert torch.equal(ours, theirs.transpose(1, 2)), dtype
     with pytest.raises(ValueError, match="t: MXFP4 blocks"):
         dequantize_mxfp4(blocks[..., :8], scales, "t")
     with pytest.raises(ValueError, match="must be uint8"):

@@ -74,9 +74,11 @@ def test_the_model_key_alone_is_no_prefix_match():
     assert not prefix_counts(key + 1, a, 0.1)  # a shared first letter is not 10% of the prompt
     assert prefix_counts(key + 7, a, 0.1) and not prefix_counts(key + 6, a, 0.1)  # 64 chars
     assert prefix_counts(len(a), a, 1.0)
-    # No key (a body without "model"): the whole text counts, as before.
-    assert prefix_counts(7, "x" * 64, 0.1) and not prefix_counts(6, "x" * 64, 0.1)
-    assert not prefix_counts(0, "x" * 64, 0.0) and not prefix_counts(0, "", 0.0)
+    # An empty key (a body without "model"): only the NUL is skipped, a NUL in the prompt is
+    # the prompt's
+    b = routing_text(msgspec.json.encode({"prompt": "x\0" * 32}))
+    assert prefix_counts(1 + 7, b, 0.1) and not prefix_counts(1 + 6, b, 0.1)
+    assert not prefix_counts(1, b, 0.0) and not prefix_counts(0, "", 0.0)
 
 
 def test_every_replica_is_ranked_once():
@@ -93,13 +95,15 @@ def test_replica_load_from_stats_defaults_before_the_first_report():
 
 
 @pytest.mark.parametrize("body, text", [
-    ({"prompt": "Once upon"}, "Once upon"),
-    ({"prompt": ["first", "second"]}, "first"),
-    ({"prompt": [1, 2, 3]}, "1 2 3"),
-    ({"prompt": [[4, 5], [6]]}, "4 5"),
+    ({"prompt": "Once upon"}, "\0Once upon"),  # (no model: an empty key)
+    ({"prompt": ["first", "second"]}, "\0first"),
+    ({"prompt": [1, 2, 3]}, "\x001 2 3"),
+    ({"prompt": [[4, 5], [6]]}, "\x004 5"),
     ({"messages": [{"role": "system", "content": "Be brief."},
                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
-     "system:Be brief.\nuser:Hi\n"),
+     "\0system:Be brief.\nuser:Hi\n"),
+    ({"prompt": "a\0b"}, "\0a\0b"),  # a NUL in the prompt stays the prompt's
+    ({"model": "m\0x", "prompt": "p"}, "m x\0p"),  # one in the model name does not split it
     ({"messages": "not a list"}, ""),
     ({"prompt": 7}, ""),
     ([1, 2], ""),

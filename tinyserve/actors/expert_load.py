@@ -4,6 +4,7 @@ kernel), each sparse layer's busiest expert over its mean expert in a sliding wi
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 EXPERT_WINDOW_S = 60.0
@@ -19,8 +20,9 @@ class ExpertLoadWindow:
 
     def add(self, now: float, load: tuple[tuple[int, tuple[int, ...]], ...]
             ) -> list[tuple[int, float]]:
-        """(layer, max / mean tokens per expert) since the oldest snapshot in the window, for
-        the layers that routed a token in it."""
+        """(layer, max / mean tokens per expert) since the oldest snapshot in the window; NaN
+        for a layer that routed no token in it (idle: no imbalance to report, and never the
+        last busy window's figure kept)."""
         counts = dict(load)
         if self._snaps and any(a < b for layer, c in counts.items()
                                for a, b in zip(c, self._snaps[-1][1].get(layer, c))):
@@ -33,6 +35,5 @@ class ExpertLoadWindow:
         for layer, c in counts.items():
             delta = [a - b for a, b in zip(c, base.get(layer, (0,) * len(c)))]
             total = sum(delta)
-            if total > 0:
-                out.append((layer, max(delta) * len(delta) / total))
+            out.append((layer, max(delta) * len(delta) / total if total > 0 else math.nan))
         return out

@@ -64,9 +64,11 @@ class ReplicaDown(Exception):
 
 
 def routing_text(body: bytes) -> str:
-    """The prompt text of a completion or chat request, after its ``model`` (what the prefix
-    tree keys on: a LoRA adapter's KV blocks are its own, so the same prompt on two adapters
-    is two prefixes); "" for anything else. Never raises: the replica judges the body."""
+    """The prompt text of a completion or chat request, after its ``model`` and a NUL (what
+    the prefix tree keys on: a LoRA adapter's KV blocks are its own, so the same prompt on two
+    adapters is two prefixes; policy.prefix_counts skips the key); "" for anything else. The
+    key is always there ("" without a model) and holds no NUL, so the first NUL ends it. Never
+    raises: the replica judges the body."""
     try:
         doc = msgspec.json.decode(body)
     except msgspec.DecodeError:
@@ -75,7 +77,8 @@ def routing_text(body: bytes) -> str:
         return ""
     text = _prompt_text(doc)
     model = doc.get("model")
-    return f"{model}\0{text}" if text and isinstance(model, str) else text
+    key = model.replace("\0", " ") if isinstance(model, str) else ""
+    return f"{key}\0{text}" if text else ""
 
 
 def _prompt_text(doc: dict) -> str:

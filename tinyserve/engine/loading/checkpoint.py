@@ -261,15 +261,16 @@ class _Layers:
                              w2_bias=self.dense(x + "down_proj_bias", (E, D)))
 
     def _mxfp4(self, name: str, E: int, N: int, K: int) -> torch.Tensor:
-        """``name``_blocks / _scales -> [E, N, K] fp32 (mxfp4.py)."""
+        """``name``_blocks / _scales -> [E, N, K] in the model's dtype (mxfp4.py)."""
         if K % GROUP:
             raise ModelLoadError(f"{name}_blocks: MXFP4 needs the input size ({K}) in groups "
                                  f"of {GROUP}")
         G = K // GROUP
         blocks = self.reader.get(name + "_blocks", (E, N, G, GROUP // 2))
         scales = self.reader.get(name + "_scales", (E, N, G))
-        try:
-            return dequantize_mxfp4(blocks, scales, self.reader.files[name + "_blocks"])
+        try:  # (in the model's dtype, exactly: half fp32's host memory for bf16)
+            return dequantize_mxfp4(blocks, scales, self.reader.files[name + "_blocks"],
+                                    self.dtype)
         except ValueError as e:
             raise ModelLoadError(f"{e} ({name})") from e
 
@@ -284,8 +285,8 @@ class _Layers:
             return ExpertWeights(router, q13.to(dev), q2.to(dev), **rest,
                                  w13_scale=s13.to(dev), w2_scale=s2.to(dev))
         if self.quantization == "int4":  # (on the device: the clip search is 20 passes)
-            return ExpertWeights(router, quantize_experts_int4(w13.to(dev), self.dtype),
-                                 quantize_experts_int4(w2.to(dev), self.dtype), **rest)
+            return ExpertWeights(router, quantize_experts_int4(w13, self.dtype, dev),
+                                 quantize_experts_int4(w2, self.dtype, dev), **rest)
         return ExpertWeights(router, w13.to(device=dev, dtype=self.dtype).contiguous(),
                              w2.to(device=dev, dtype=self.dtype).contiguous(), **rest)
 

@@ -20,20 +20,30 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 GROUP = 32  # weights per scale
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, where: str) -> torch.Tensor:
-    """blocks [E, N, G, 16] uint8, scales [E, N, G] uint8 -> [E, N, G * 32] fp32; ValueError
-    naming ``where`` for tensors of another shape or dtype, or weights that are not finite."""
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, where: str,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks [E, N, G, 16] uint8, scales [E, N, G] uint8 -> [E, N, G * 32] in ``dtype`` (fp32,
+    bf16 or fp16: every value is exact in the first two; in fp16 those below 2^-24 flush);
+    ValueError naming ``where`` for tensors of another shape or dtype, or weights that are not
+    finite. One expert at a time: the temporaries are an expert's, not the stack's."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{where}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} "
                          f"and {scales.dtype}")
     if blocks.dim() != 4 or blocks.shape[-1] != GROUP // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"{where}: MXFP4 blocks {list(blocks.shape)} and scales "
                          f"{list(scales.shape)} must be [E, N, G, 16] and [E, N, G]")
+    E, N, G = scales.shape
     lut = torch.tensor(E2M1, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [E, N, G, 16, 2]
-    values = lut[codes].reshape(*scales.shape, GROUP)
-    out = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].float())
-    if not torch.isfinite(out).all():  # e8m0 255 is NaN; 2^127 x 6 overflows fp32
-        raise ValueError(f"{where}: MXFP4 scales give non-finite weights (a scale of 255, "
-                         "which is NaN, or one too large for the codes)")
-    return out.reshape(*scales.shape[:2], -1)
+    out = torch.empty(E, N, G * GROUP, dtype=dtype)
+    for e in range(E):
+        b = blocks[e]
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).int()  # [N, G, 16, 2]
+        values = torch.ldexp(lut[codes].reshape(N, G, GROUP),
+                             (scales[e].int() - 127)[..., None].float())
+        if not torch.isfinite(values).all():  # e8m0 255 is NaN; 2^127 x 6 overflows fp32
+            raise ValueError(f"{where}: MXFP4 scales give non-finite weights (a scale of 255, "
+                             "which is NaN, or one too large for the codes)")
+        out[e] = values.reshape(N, -1)
+    if dtype != torch.float32 and not torch.isfinite(out).all():
+        raise ValueError(f"{where}: MXFP4 weights overflow {dtype}")
+    return out

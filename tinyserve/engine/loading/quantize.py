@@ -45,20 +45,26 @@ def quantize_int4_linear(w: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
     return Int4Linear(qweight, scales.to(scale_dtype), zeros, INT4_GROUP_SIZE, w.shape[1])
 
 
-def quantize_experts_int4(w: torch.Tensor, dtype: torch.dtype):
-    """Stacked experts [E, N, K] float -> kernels.moe.Int4Experts: every expert row in groups
-    of INT4_GROUP_SIZE as ``quantize_int4_linear`` does a linear's (zero points, the clip
-    search), scales fp16 (fp32 for an fp32 model)."""
+def quantize_experts_int4(w: torch.Tensor, dtype: torch.dtype,
+                          device: torch.device | str | None = None):
+    """Stacked experts [E, N, K] float -> kernels.moe.Int4Experts on ``device`` (w's when
+    None): every expert row in groups of INT4_GROUP_SIZE as ``quantize_int4_linear`` does a
+    linear's (zero points, the clip search), scales fp16 (fp32 for an fp32 model). One expert
+    at a time on the device: the clip search's temporaries are a few times an expert's size,
+    never the stack's (gpt-oss-120b's 128 experts of 5760 x 2880 would need tens of GB)."""
     from tinyserve.kernels.int4_pack import quantize_int4
     from tinyserve.kernels.moe import Int4Experts
 
     E, N, K = w.shape
-    qweight, scales, zeros = quantize_int4(w.reshape(E * N, K), INT4_GROUP_SIZE, INT4_SYMMETRIC,
-                                           INT4_CLIP_SEARCH)
-    G = scales.shape[1]
-    if zeros is None:  # (symmetric: the codes' midpoint)
-        zeros = torch.full_like(scales, 8, dtype=torch.uint8)
+    device = w.device if device is None else device
+    G = -(-K // INT4_GROUP_SIZE)
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
-    return Int4Experts(qweight.reshape(E, N, -1).contiguous(),
-                       scales.to(scale_dtype).reshape(E, N, G).contiguous(),
-                       zeros.reshape(E, N, G).contiguous(), INT4_GROUP_SIZE, K)
+    qweight = torch.empty(E, N, G * INT4_GROUP_SIZE // 8, dtype=torch.int32, device=device)
+    scales = torch.empty(E, N, G, dtype=scale_dtype, device=device)
+    zeros = torch.empty(E, N, G, dtype=torch.uint8, device=device)
+    for e in range(E):
+        q, s, z = quantize_int4(w[e].to(device), INT4_GROUP_SIZE, INT4_SYMMETRIC,
+                                INT4_CLIP_SEARCH)
+        qweight[e], scales[e] = q, s.to(scale_dtype)
+        zeros[e] = 8 if z is None else z  # (symmetric: the codes' midpoint)
+    return Int4Experts(qweight, scales, zeros, INT4_GROUP_SIZE, K)

@@ -99,8 +99,9 @@ class ExpertWeights:
 
     def nbytes(self, as_float: torch.dtype | None = None) -> int:
         """Bytes of the router and experts; with ``as_float``, as if the experts were float."""
-        shared = sum(lin.nbytes for lin in (self.shared_gate_up, self.shared_down,
-                                            self.shared_gate) if lin is not None)
+        shared = sum(lin.numel * as_float.itemsize + _bytes(lin.bias) if as_float else lin.nbytes
+                     for lin in (self.shared_gate_up, self.shared_down, self.shared_gate)
+                     if lin is not None)
         fixed = shared + _bytes(self.router.weight, self.router.bias, self.w13_bias,
                                 self.w2_bias)
         experts = (self.w13, self.w2)
