@@ -268,8 +268,8 @@ MOE_SHAPES = [
 
 def exercise_moe():
     """The fused-MoE launchers at real MoE shapes in bf16, a decode step (16 tokens) and a
-    prefill (2048): routing (with the expert counters), the sort, both grouped GEMMs (float
-    and int8 experts, gpt-oss's biases and clamped SwiGLU), the combine (with Qwen2-MoE's
+    prefill (2048): routing (with the expert counters), the sort, both grouped GEMMs (float,
+    int8 and int4 experts, gpt-oss's biases and clamped SwiGLU), the combine (with Qwen2-MoE's
     shared expert); and gpt-oss's attention (64 / 8 heads of 64, sinks, a window of 128 on
     alternate layers) over float and int8 caches. Weights are uninitialised."""
     bf = torch.bfloat16
@@ -282,12 +282,16 @@ def exercise_moe():
             K.fused_moe(e(T, D), e(T, E), w13, w2, k, softmax_first=softmax_first,
                         renormalize=softmax_first, activation=act, counts=torch.zeros(
                             E, dtype=torch.int64), rows=torch.arange(T), **biases, **extra)
-        if D == 2048 and not shared:  # int8 experts (--quantization int8)
+        if D == 2048 and not shared:  # int8 and int4 experts (--quantization)
             q13, q2 = e(E, 2 * F, D, dt=torch.int8), e(E, D, F, dt=torch.int8)
+            int4 = [K.Int4Experts(e(E, n, k_ // 8, dt=torch.int32), e(E, n, k_ // 128),
+                                  e(E, n, k_ // 128, dt=torch.uint8), 128, k_)
+                    for n, k_ in ((2 * F, D), (D, F))]
             for T in (16, 2048):
                 K.fused_moe(e(T, D), e(T, E), q13, q2, k, softmax_first=True, renormalize=True,
                             w13_scale=e(E, 2 * F, dt=torch.float32),
                             w2_scale=e(E, D, dt=torch.float32))
+                K.fused_moe(e(T, D), e(T, E), *int4, k, softmax_first=True, renormalize=True)
     B, T, ctx, Hq, Hk, Dh = 16, 40, 8192, 64, 8, 64
     sinks = e(Hq, dt=torch.float32)
     kc, vc = e(64, 16, Hk, Dh), e(64, 16, Hk, Dh)
