@@ -338,13 +338,19 @@ def test_int8_experts_on_the_gpu_tiles(device, dtype, atol, rtol, monkeypatch):
     g = torch.Generator().manual_seed(21)
     x, logits, w13, w2, b13, b2 = make_moe(21, 6, 200, 72, g, device, dtype, bias=True)
     (q13, s13, q2, s2), w13_dq, w2_dq = int8_experts(w13, w2, device)
+    check_quantized_tiles(x, logits, q13, q2, w13_dq, w2_dq, b13, b2, atol, rtol,
+                          w13_scale=s13, w2_scale=s2)
+
+
+def check_quantized_tiles(x, logits, q13, q2, w13_dq, w2_dq, b13, b2, atol, rtol, **scales):
+    """Quantized experts against the float reference on their dequantized weights (top 2,
+    renormalised, biases); a token alone equals the token in the batch (bitwise)."""
     run = lambda x, logits: fused_moe(x, logits, q13, q2, 2, softmax_first=True,  # noqa: E731
-                                      renormalize=True, w13_bias=b13, w2_bias=b2,
-                                      w13_scale=s13, w2_scale=s2)
+                                      renormalize=True, w13_bias=b13, w2_bias=b2, **scales)
     got = run(x, logits)
     ref = moe_ref(x, logits, w13_dq, w2_dq, 2, True, True, "silu", b13, b2)
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
-    for i in (0, 20):
+    for i in (0, x.shape[0] - 1):
         assert torch.equal(run(x[i:i + 1], logits[i:i + 1])[0], got[i])
 
 
@@ -442,13 +448,7 @@ def test_int4_experts_on_the_gpu_tiles(device, dtype, atol, rtol, monkeypatch):
     g = torch.Generator().manual_seed(31)
     x, logits, w13, w2, b13, b2 = make_moe(21, 6, 300, 200, g, device, dtype, bias=True)
     q13, w13_dq, q2, w2_dq = int4_experts(w13, w2, device)
-    run = lambda x, logits: fused_moe(x, logits, q13, q2, 2, softmax_first=True,  # noqa: E731
-                                      renormalize=True, w13_bias=b13, w2_bias=b2)
-    got = run(x, logits)
-    ref = moe_ref(x, logits, w13_dq, w2_dq, 2, True, True, "silu", b13, b2)
-    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
-    for i in (0, 20):
-        assert torch.equal(run(x[i:i + 1], logits[i:i + 1])[0], got[i])
+    check_quantized_tiles(x, logits, q13, q2, w13_dq, w2_dq, b13, b2, atol, rtol)
 
 
 def test_int4_experts_refuse_bad_parts(device):
