@@ -51,10 +51,6 @@ from tinyserve.kernels.utils import INTERPRET, cdiv, check, dot_precision, empty
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
 
 
-def _shape(w: torch.Tensor | Int4Experts) -> tuple[int, ...]:
-    return tuple(w.shape)
-
-
 def moe_block_m(num_experts: int, dtype: torch.dtype) -> int:
     """Rows per expert tile, per model (never per batch: batch invariance). The interpreter
     pays its tl.dot per row, padding included: 16. GPU: 16 (tl.dot's minimum) when experts are
@@ -186,32 +182,18 @@ def _gemm(a, w, scale, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div,
     E, rows_w, K = w.shape
     N = out.shape[1]
     int4 = isinstance(w, Int4Experts)
-    zeros = None
+    zeros, G, K_pad = None, 1, K
     if int4:
         check(scale is None, "int4 experts carry their own scales: pass no separate scale")
-        check(w.qweight.dim() == 3, "int4 experts: qweight must be [E, N, K_pad / 8]")
-        G, K_pad = w.group_size, w.qweight.shape[2] * 8
-        check(w.qweight.dtype == torch.int32
-              and w.qweight.device == w.scales.device == w.zeros.device == a.device
-              and G >= 16 and G & (G - 1) == 0 and K_pad % G == 0 and K <= K_pad < K + G,
-              f"int4 experts: qweight must be int32 [E, N, K_pad / 8] on the activations' "
-              f"device, K_pad = whole groups of a power-of-two size >= 16 (K {K}, G {G})")
-        check(w.scales.shape == (E, rows_w, K_pad // G) and w.scales.dtype in FLOATS
-              and w.zeros.shape == w.scales.shape and w.zeros.dtype == torch.uint8
-              and w.zeros.stride() == w.scales.stride(),
-              f"int4 experts: scales (float) and zeros (uint8) must be [{E}, {rows_w}, "
-              f"{K_pad // G}] with the same strides")
-        scale, zeros, w = w.scales, w.zeros, w.qweight
-    else:
-        K_pad = K
-    check(w.device == a.device, "the expert weights must be on the activations' device")
-    if int4:
-        pass  # (checked above)
+        scale, zeros, G, K_pad = w.checked_parts(a.device)
+        w = w.qweight
     elif scale is None:
-        check(w.dtype == a.dtype,
-              f"the expert weights must be the activations' {a.dtype}, got {w.dtype}")
+        check(w.dtype == a.dtype and w.device == a.device,
+              f"the expert weights must be the activations' {a.dtype} on their device, got "
+              f"{w.dtype} on {w.device}")
     else:
-        check(w.dtype == torch.int8, f"scaled expert weights must be int8, got {w.dtype}")
+        check(w.dtype == torch.int8 and w.device == a.device,
+              f"scaled expert weights must be int8 on the activations' device, got {w.dtype}")
         check(scale.shape == w.shape[:2] and scale.dtype == torch.float32
               and scale.device == a.device,
               f"the scales must be fp32 [{E}, {w.shape[1]}] (one per expert and output row)")
@@ -224,8 +206,7 @@ def _gemm(a, w, scale, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div,
         return out
     block_m = _block_m(sorted_ids, expert_of_tile, a.device)
     bn, bk = _gemm_tiles(N, K, a.dtype, act != 0)
-    if int4:  # each K step inside one group
-        bk = min(bk, G)
+    bk = min(bk, G) if int4 else bk  # (int4: each K step inside one group)
     b = a if bias is None else bias
     sc = a if scale is None else scale
     launch(_moe_gemm_kernel, (expert_of_tile.numel(), cdiv(N, bn)),
@@ -235,7 +216,7 @@ def _gemm(a, w, scale, bias, rw, sorted_ids, expert_of_tile, out, n_flat, a_div,
            sc.stride(0), sc.stride(1), sc.stride(2) if int4 else 0, b.stride(0), b.stride(1),
            out.stride(0), out.stride(1),
            ACT=act, ROW_STEP=row_step, W_QUANT=2 if int4 else int(scale is not None),
-           GROUP=G if int4 else 1, HAS_BIAS=bias is not None, MUL_WEIGHT=rw is not None,
+           GROUP=G, HAS_BIAS=bias is not None, MUL_WEIGHT=rw is not None,
            BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=dot_precision(a.dtype),
            num_warps=4)
     return out
@@ -253,7 +234,7 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
     check(activation in ACTIVATIONS, f"activation must be one of {tuple(ACTIVATIONS)}, "
           f"got {activation!r}")
     check(x.dim() == 2 and x.dtype in FLOATS, "x must be a float [T, D]")
-    shape = _shape(w13)
+    shape = tuple(w13.shape)
     check(len(shape) == 3 and shape[1] % 2 == 0 and shape[2] == x.shape[1],
           f"w13 must be [E, 2F, {x.shape[1]}], got {list(shape)}")
     check(1 <= top_k <= MAX_TOP_K, f"top_k must be in [1, {MAX_TOP_K}]")
@@ -279,7 +260,7 @@ def moe_down(h: torch.Tensor, w2: torch.Tensor, sorted_ids: torch.Tensor,
     n_flat = weights.numel()
     check(h.dim() == 2 and h.shape[0] == n_flat and h.dtype in FLOATS,
           f"h must be a float [{n_flat}, F] (T*k rows)")
-    shape = _shape(w2)
+    shape = tuple(w2.shape)
     check(len(shape) == 3 and shape[2] == h.shape[1],
           f"w2 must be [E, D, {h.shape[1]}], got {list(shape)}")
     check(weights.device == h.device, "weights must be on h's device")

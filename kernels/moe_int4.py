@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tinyserve.kernels.group_matmul import _codes, _group_params
+from tinyserve.kernels.utils import check
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,32 @@ class Int4Experts:
     @property
     def shape(self) -> tuple[int, int, int]:
         return (*self.qweight.shape[:2], self.in_features)
+
+    def checked_parts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(scales, zeros, group size, K_pad) once every part is what the GEMM reads, on
+        ``device``; ValueError naming what is not."""
+        q, E, N, K, G = self.qweight, *self.shape, self.group_size
+        check(q.dim() == 3, "int4 experts: qweight must be [E, N, K_pad / 8]")
+        K_pad = q.shape[2] * 8
+        check(q.dtype == torch.int32 and q.device == self.scales.device == self.zeros.device
+              == device and G >= 16 and G & (G - 1) == 0 and K_pad % G == 0
+              and K <= K_pad < K + G,
+              f"int4 experts: qweight must be int32 [E, N, K_pad / 8] on the activations' "
+              f"device, K_pad = whole groups of a power-of-two size >= 16 (K {K}, G {G})")
+        check(self.scales.shape == (E, N, K_pad // G) and self.scales.dtype.is_floating_point
+              and self.zeros.shape == self.scales.shape and self.zeros.dtype == torch.uint8
+              and self.zeros.stride() == self.scales.stride(),
+              f"int4 experts: scales (float) and zeros (uint8) must be [{E}, {N}, "
+              f"{K_pad // G}] with the same strides")
+        return self.scales, self.zeros, G, K_pad
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 [E, N, K] the GEMM multiplies by (a reference: tests, debugging)."""
+        from tinyserve.kernels.int4_pack import dequantize_int4
+
+        return torch.stack([dequantize_int4(self.qweight[e], self.scales[e], self.zeros[e],
+                                            self.group_size, self.in_features)
+                            for e in range(self.qweight.shape[0])])
 
 
 @triton.jit

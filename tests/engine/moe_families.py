@@ -159,14 +159,11 @@ def test_logits_match_transformers_over_prefill_and_decode(family):
 def _round_trip(w: torch.Tensor, quantization: str) -> torch.Tensor:
     """[E, N, K] float through --quantization's codes and back (rows along K, as served)."""
     from tinyserve.engine.loading.quantize import quantize_experts_int4, quantize_experts_int8
-    from tinyserve.kernels.int4_pack import dequantize_int4
 
     if quantization == "int8":
         q, scale = quantize_experts_int8(w)
         return q.float() * scale[..., None]
-    q = quantize_experts_int4(w, torch.float32)
-    return torch.stack([dequantize_int4(q.qweight[e], q.scales[e], q.zeros[e], q.group_size,
-                                        w.shape[2]) for e in range(w.shape[0])])
+    return quantize_experts_int4(w, torch.float32).dequantized()
 
 
 def dequantized(hf, quantization: str):

@@ -409,16 +409,11 @@ def test_fused_moe_counts_and_refuses_bad_counters(device):
 def int4_experts(w13, w2, device):
     """Int4Experts of both stacks (group 128, zero points) and their dequantized weights."""
     from tinyserve.engine.loading.quantize import quantize_experts_int4
-    from tinyserve.kernels.int4_pack import dequantize_int4
 
     out = []
     for w in (w13, w2):
-        q = quantize_experts_int4(w.float().cpu(), w.dtype)
-        E, N, K = w.shape
-        deq = torch.stack([dequantize_int4(q.qweight[e], q.scales[e], q.zeros[e], q.group_size,
-                                           K) for e in range(E)])
-        out += [Int4Experts(q.qweight.to(device), q.scales.to(device), q.zeros.to(device),
-                            q.group_size, K), deq.to(device, w.dtype)]
+        q = quantize_experts_int4(w.float().cpu(), w.dtype, device)
+        out += [q, q.dequantized().to(w.dtype)]
     return out
 
 

@@ -19,10 +19,9 @@ def quantize_int8(w: torch.Tensor) -> Linear:
 def quantize_experts_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked experts [E, N, K] float -> (codes [E, N, K] int8, scales [E, N] fp32): each
     expert's rows as ``quantize_int8`` does a linear's (kernels/moe.py's int8 layout)."""
-    wf = w.float()
-    scale = (wf.abs().amax(dim=2) / 127.0).clamp(min=1e-12)
-    w_q = torch.clamp(torch.round(wf / scale[:, :, None]), -127, 127).to(torch.int8)
-    return w_q.contiguous(), scale.contiguous()
+    E, N, K = w.shape
+    lin = quantize_int8(w.reshape(E * N, K))  # (rows are independent: the stack is one matrix)
+    return lin.weight.view(E, N, K), lin.scale.view(E, N)
 
 
 # Zero points and a 20-step clip search: on stories260k the best of the four options measured

@@ -79,6 +79,11 @@ class Int8GroupLinear:
 AnyLinear = Linear | Int4Linear | Int8GroupLinear
 
 
+def _linear_bytes(lin: AnyLinear, as_float: torch.dtype | None = None) -> int:
+    """A linear's bytes as stored; with ``as_float``, as if its weight were that float."""
+    return lin.numel * as_float.itemsize + _bytes(lin.bias) if as_float else lin.nbytes
+
+
 @dataclass(slots=True)
 class ExpertWeights:
     """A sparse feed-forward (kernels/moe.py's layout): the router and every expert stacked."""
@@ -99,9 +104,8 @@ class ExpertWeights:
 
     def nbytes(self, as_float: torch.dtype | None = None) -> int:
         """Bytes of the router and experts; with ``as_float``, as if the experts were float."""
-        shared = sum(lin.numel * as_float.itemsize + _bytes(lin.bias) if as_float else lin.nbytes
-                     for lin in (self.shared_gate_up, self.shared_down, self.shared_gate)
-                     if lin is not None)
+        shared = sum(_linear_bytes(lin, as_float) for lin in (
+            self.shared_gate_up, self.shared_down, self.shared_gate) if lin is not None)
         fixed = shared + _bytes(self.router.weight, self.router.bias, self.w13_bias,
                                 self.w2_bias)
         experts = (self.w13, self.w2)
@@ -144,15 +148,13 @@ class ModelWeights:
 
     def nbytes(self, as_float: torch.dtype | None = None) -> int:
         """Bytes of all weights; with ``as_float``, as if no linear layer were quantized."""
-        def lin_bytes(lin: AnyLinear) -> int:
-            return lin.numel * as_float.itemsize + _bytes(lin.bias) if as_float else lin.nbytes
-
         total = _bytes(self.embed, self.norm)
         if getattr(self.lm_head, "weight", None) is not self.embed:
-            total += lin_bytes(self.lm_head)
+            total += _linear_bytes(self.lm_head, as_float)
         for layer in self.layers:
             total += _bytes(*layer.norms, layer.sinks)
-            total += sum(lin_bytes(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            total += sum(_linear_bytes(x, as_float) for x in (layer.qkv, layer.o, layer.gate_up,
+                                                                layer.down)
                          if x is not None)
             if layer.experts is not None:
                 total += layer.experts.nbytes(as_float)
